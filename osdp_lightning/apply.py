@@ -1,0 +1,137 @@
+"""Stage 4: turn a Plan into FSDP2 calls on the real module.
+
+The order is fixed and the same on every rank (a different order or mesh on one rank would
+deadlock the first collective):
+
+1. build the two meshes every choice needs (a 1-D shard mesh, a 2-D (W, 1) replicate mesh),
+   plus a 2-D (W/g, g) mesh for each group size g of the plan's ``hsdp(g=G)`` choices;
+2. replace Linear layers planned as ``split(k, j)`` by ``SplitLinear`` and shard their slices;
+3. ``fully_shard`` every other unit, bottom-up, with its planned mesh and resharding;
+4. ``fully_shard`` the root last: it takes every parameter no unit owns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from osdp_lightning.cost import (
+    REPLICATE,
+    ZERO2,
+    ZERO3,
+    parse_hsdp_choice,
+    parse_split_choice,
+    parse_zero3_reshard_choice,
+)
+from osdp_lightning.plan import Plan
+from osdp_lightning.profile import ROOT
+
+
+@dataclass(frozen=True)
+class Meshes:
+    shard: DeviceMesh
+    """1-D mesh over all ranks: zero2/zero3 shard parameters across it."""
+    replicate: DeviceMesh
+    """2-D (W, 1) mesh: FSDP2 on it keeps whole parameters and all-reduces gradients (DDP)."""
+    groups: dict[int, DeviceMesh] = field(default_factory=dict)
+    """2-D (W/g, g) meshes by group size g, for ``hsdp(g=G)``: a row is g consecutive ranks (one
+    node when g is the ranks per node), sharded inside the row and replicated across rows."""
+
+
+def build_meshes(device_type: str, world_size: int, group_sizes: tuple[int, ...] = ()) -> Meshes:
+    # NOTE: fully_shard refuses a 2-D mesh without mesh_dim_names (checked in design.md).
+    return Meshes(
+        shard=init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",)),
+        replicate=init_device_mesh(device_type, (world_size, 1), mesh_dim_names=("replicate", "shard")),
+        groups={g: _group_mesh(device_type, world_size, g) for g in sorted(set(group_sizes))},
+    )
+
+
+def _group_mesh(device_type: str, world_size: int, group: int) -> DeviceMesh:
+    if world_size % group:
+        raise ValueError(f"hsdp group size {group} does not divide the world size {world_size}")
+    return init_device_mesh(device_type, (world_size // group, group), mesh_dim_names=("replicate", "shard"))
+
+
+def with_group_meshes(meshes: Meshes, plan: Plan) -> Meshes:
+    """``meshes`` plus the (W/g, g) meshes the plan's ``hsdp(g=G)`` choices need.
+
+    Every rank builds the same missing meshes in the same (sorted) order, so this is safe to call
+    from :func:`apply_plan` on every rank.
+    """
+    needed = sorted({g for u in plan.units if (g := parse_hsdp_choice(u.choice)) is not None} - set(meshes.groups))
+    if not needed:
+        return meshes
+    device_type, world_size = meshes.shard.device_type, meshes.shard.size()
+    return replace(meshes, groups={**meshes.groups, **{g: _group_mesh(device_type, world_size, g) for g in needed}})
+
+
+def shard_kwargs(choice: str, meshes: Meshes) -> dict:
+    """``fully_shard`` keyword arguments of a base choice (design.md section 3)."""
+    if choice == REPLICATE:
+        return {"mesh": meshes.replicate, "reshard_after_forward": False}
+    if choice == ZERO2:
+        return {"mesh": meshes.shard, "reshard_after_forward": False}
+    if choice == ZERO3:
+        return {"mesh": meshes.shard, "reshard_after_forward": True}
+    if (group := parse_hsdp_choice(choice)) is not None:
+        if group not in meshes.groups:
+            raise ValueError(f"{choice} needs a ({meshes.shard.size() // group}, {group}) mesh: build it with "
+                             "build_meshes(..., group_sizes) or with_group_meshes(meshes, plan)")
+        return {"mesh": meshes.groups[group], "reshard_after_forward": True}
+    if (group := parse_zero3_reshard_choice(choice)) is not None:
+        # NOTE: FSDP2 reshards to rows of `group` consecutive ranks: the backward all-gather stays in a node.
+        return {"mesh": meshes.shard, "reshard_after_forward": group}
+    raise ValueError(f"unknown choice {choice!r}")
+
+
+def apply_plan(model: nn.Module, root: nn.Module, plan: Plan, meshes: Meshes,
+               mp_policy: MixedPrecisionPolicy | None = None) -> None:
+    """Apply ``plan`` in place: units live inside ``model``; ``root`` is the outermost module.
+
+    ``root`` may be ``model`` itself or a wrapper around it whose forward runs first (Lightning's
+    wrapper dispatches to ``training_step``); FSDP2 makes the first module to run forward the root.
+    """
+    policy = mp_policy or MixedPrecisionPolicy()
+    meshes = with_group_meshes(meshes, plan)
+    for unit in plan.units:
+        if unit.name == ROOT:
+            continue
+        split = parse_split_choice(unit.choice)
+        if split is not None:
+            _apply_split(model, unit.module_names[0], split, meshes, policy)
+            continue
+        modules = [model.get_submodule(name) for name in unit.module_names]
+        # Tied modules share one parameter group: FSDP2's list form keeps them together.
+        target = modules[0] if len(modules) == 1 else modules
+        fully_shard(target, **shard_kwargs(unit.choice, meshes), mp_policy=policy)
+    root_choice = plan.choice_of(ROOT)
+    fully_shard(root, **shard_kwargs(root_choice, meshes), mp_policy=policy)
+
+
+def _apply_split(model: nn.Module, name: str, split: tuple[int, int], meshes: Meshes,
+                 policy: MixedPrecisionPolicy) -> None:
+    from osdp_lightning.split import shard_split_linear, split_linear_in_module
+
+    k, sharded = split
+    split_module = split_linear_in_module(model, name, k)
+    shard_split_linear(split_module, sharded, meshes.shard, meshes.replicate, policy)
+
+
+def mixed_precision_policy(precision: str | None) -> MixedPrecisionPolicy:
+    """FSDP2 policy for Lightning's ``precision=`` flag.
+
+    Under ``bf16-mixed`` Lightning's autocast does the compute casting; parameters, gathers and
+    gradient reductions stay fp32 (what the profile measured), so the default policy is right.
+    """
+    if precision in (None, "32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"):
+        return MixedPrecisionPolicy()
+    raise ValueError(f"precision {precision!r} is not supported by the osdp strategy")
+
+
+def world_device_type(device: torch.device) -> str:
+    return "cuda" if device.type == "cuda" else "cpu"

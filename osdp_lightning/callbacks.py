@@ -1,0 +1,165 @@
+"""A training summary: throughput, measured peak memory per rank, final loss.
+
+Peak bytes come from PyTorch's own trackers on CPU (``FSDPMemTracker`` for FSDP2 models,
+``MemTracker`` otherwise) over one whole training step (forward, backward, optimizer), and from
+the CUDA allocator on GPUs. Throughput is the median step time after warm-up; the tracked step
+is left out of it because the tracker slows every operation down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from osdp_lightning.budget import format_bytes
+
+WARMUP_STEPS = 2
+
+
+class TrainingSummary(Callback):
+    """Collects ``summary``: tokens/s, samples/s, peak bytes per rank, budget, final loss.
+
+    Args:
+        tokens_per_sample: Tokens in one sample; by default the second dimension of the first
+            tensor in the batch (``(B, T)`` token ids), else 1.
+        track_memory_step: Index of the step whose memory is tracked (after the optimizer has
+            created its state, so the peak is the steady-state one).
+    """
+
+    def __init__(self, tokens_per_sample: int | None = None, track_memory_step: int = 2) -> None:
+        self.tokens_per_sample = tokens_per_sample
+        self.track_memory_step = track_memory_step
+        self.summary: dict[str, Any] = {}
+        self._step_starts: list[float] = []
+        self._tracked_index: int | None = None
+        self._tracker: contextlib.AbstractContextManager | None = None
+        self._peak_bytes = 0
+        self._samples_per_step = 0
+        self._tokens_per_sample = 1
+        self._last_loss: float | None = None
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._step_starts.append(time.perf_counter())
+        if not self._samples_per_step:
+            first = _first_tensor(batch)
+            self._samples_per_step = (int(first.shape[0]) if first is not None and first.dim() else 1)
+            self._tokens_per_sample = self.tokens_per_sample or (
+                int(first.shape[1]) if first is not None and first.dim() >= 2 else 1)
+        if trainer.global_step == self.track_memory_step and self._tracker is None:
+            self._tracked_index = len(self._step_starts) - 1
+            self._tracker = _start_tracking(trainer)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self._last_loss = float(loss.detach())
+        if self._tracker is not None and self._tracked_index == len(self._step_starts) - 1:
+            self._peak_bytes = _stop_tracking(self._tracker, trainer)
+            self._tracker = None
+            self._step_starts.append(time.perf_counter())  # the tracked step is not timed
+            self._step_starts.append(float("nan"))
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step_starts.append(time.perf_counter())
+        strategy = trainer.strategy
+        steps = [b - a for a, b in zip(self._step_starts, self._step_starts[1:], strict=False)
+                 if a == a and b == b]  # NaN marks the gap around the tracked step
+        timed = steps[WARMUP_STEPS:] or steps
+        step_s = statistics.median(timed) if timed else float("nan")
+        world = trainer.world_size
+        peak = strategy.reduce(torch.tensor(float(self._peak_bytes), device=strategy.root_device), reduce_op="max")
+        loss = strategy.reduce(torch.tensor(self._last_loss if self._last_loss is not None else float("nan"),
+                                            device=strategy.root_device), reduce_op="mean")
+        plan = getattr(strategy, "_plan", None)
+        budget = getattr(plan, "memory_budget_bytes", None)
+        samples_per_s = self._samples_per_step * world / step_s if step_s == step_s and step_s > 0 else 0.0
+        self.summary = {
+            "steps": trainer.global_step, "step_s": step_s,
+            "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * self._tokens_per_sample,
+            "peak_bytes": int(peak.item()), "memory_budget_bytes": budget,
+            "predicted_peak_bytes": getattr(plan, "predicted_peak_bytes", None),
+            "predicted_step_s": getattr(plan, "predicted_step_s", None),
+            "final_loss": float(loss.item()), "world_size": world, "micro_batch_size": self._samples_per_step,
+        }
+
+    def format(self) -> str:
+        s = self.summary
+        if not s:
+            return "no training summary (training did not run)"
+        lines = [
+            f"steps: {s['steps']}   median step: {s['step_s']:.4f} s   world size: {s['world_size']}",
+            f"throughput: {s['tokens_per_s']:.1f} tokens/s ({s['samples_per_s']:.2f} samples/s)",
+            f"measured peak per rank: {format_bytes(s['peak_bytes'])}",
+            f"final loss: {s['final_loss']:.4f}",
+        ]
+        if s["memory_budget_bytes"]:
+            ratio = s["peak_bytes"] / s["memory_budget_bytes"]
+            lines[2] += f" of budget {format_bytes(s['memory_budget_bytes'])} ({100 * ratio:.1f}%)"
+        if s["predicted_peak_bytes"]:
+            lines[2] += f"; predicted {format_bytes(s['predicted_peak_bytes'])}"
+        return "\n".join(lines)
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []
+    for value in values:
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None
+
+
+def _start_tracking(trainer: pl.Trainer) -> contextlib.AbstractContextManager | None:
+    device = trainer.strategy.root_device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return contextlib.nullcontext()
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    model = trainer.strategy.model
+    optimizer = trainer.optimizers[0] if trainer.optimizers else None
+    if isinstance(model, FSDPModule) and not _has_grouped_modules(model):
+        tracker = FSDPMemTracker(model, optimizer)
+    else:
+        tracker = MemTracker()
+        tracker.track_external(model, *([optimizer] if optimizer else []))
+    tracker.__enter__()
+    return tracker
+
+
+def _has_grouped_modules(model: torch.nn.Module) -> bool:
+    """FSDPMemTracker cannot follow ``fully_shard([a, b])`` groups (tied units); MemTracker can."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    return any(len(getattr(fully_shard.state(m), "_modules", ())) > 1
+               for m in model.modules() if isinstance(m, FSDPModule))
+
+
+def _stop_tracking(tracker: contextlib.AbstractContextManager, trainer: pl.Trainer) -> int:
+    device = trainer.strategy.root_device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    tracker.__exit__(None, None, None)
+    peaks = tracker.get_tracker_snapshot("peak")
+    if os.environ.get("OSDP_MEMORY_BREAKDOWN"):
+        print({str(k): v for dev in peaks.values() for k, v in dev.items()}, flush=True)
+    return int(max((v.get("Total", 0) for v in peaks.values()), default=0))

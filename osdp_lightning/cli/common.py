@@ -1,0 +1,76 @@
+"""What both entry points share: where the configs are, the cluster config, the run's identity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from osdp_lightning.budget import parse_bytes
+from osdp_lightning.cost import ClusterSpec
+
+CONFIG_PATH = "pkg://conf"
+"""The configs ship as the ``conf`` package, so installed console scripts find them anywhere."""
+
+
+class ClusterMismatchError(SystemExit):
+    """The chosen cluster cannot run on this machine (exits with the message, no traceback)."""
+
+
+def cluster_world_size(cluster: DictConfig) -> int:
+    return int(cluster.devices_per_node) * int(cluster.nodes)
+
+
+def cluster_spec(cluster: DictConfig) -> ClusterSpec:
+    """The cost model's view of a ``conf/cluster`` entry.
+
+    NOTE: across nodes a ring collective runs at the slowest link, so a multi-node cluster is
+    priced at the inter-node bandwidth and latency (the dry-run issue refines this).
+    """
+    bandwidth, latency = cluster.intra_node_bandwidth_bytes_per_s, cluster.intra_node_latency_s
+    if int(cluster.nodes) > 1:
+        bandwidth = min(bandwidth, cluster.inter_node_bandwidth_bytes_per_s)
+        latency = max(latency, cluster.inter_node_latency_s)
+    return ClusterSpec(
+        world_size=cluster_world_size(cluster),
+        memory_budget_bytes=parse_bytes(cluster.memory_budget),
+        collective_latency_s=float(latency),
+        bandwidth_bytes_per_s=float(bandwidth),
+        overlap_efficiency=float(cluster.overlap_efficiency),
+        headroom_bytes=parse_bytes(cluster.headroom) if cluster.headroom else 0,
+        ranks_per_node=int(cluster.devices_per_node),
+    )
+
+
+def check_cluster_runs_here(cluster: DictConfig, what: str) -> None:
+    """Refuse, with a message that says why and what to do, a cluster this machine is not."""
+    if cluster.accelerator == "gpu" and not torch.cuda.is_available():
+        raise ClusterMismatchError(
+            f"{what}: cluster={cluster.name} is {cluster_world_size(cluster)} GPUs "
+            f"({cluster.devices_per_node} per node x {cluster.nodes} nodes) and this machine has no GPU. "
+            "Use cluster=cpu_2 here; planning for clusters you do not have is the dry-run mode "
+            "(not available yet).")
+
+
+def choice_names() -> dict[str, str]:
+    """The config group options of this run, e.g. ``{"model": "gpt_tiny", "strategy": "osdp"}``."""
+    choices = HydraConfig.get().runtime.choices
+    return {group: str(choices.get(group)) for group in ("model", "data", "cluster", "strategy")}
+
+
+def output_dir() -> Path:
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def destroy_process_group() -> None:
+    """End the process group (without it, multi-process runs abort at exit with -6)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

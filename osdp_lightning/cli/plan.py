@@ -1,0 +1,166 @@
+"""``osdp-plan``: profile a recipe and solve its plan without training; compare with the baselines.
+
+    osdp-plan model=gpt_small cluster=cpu_2 cluster.memory_budget=2GiB
+
+One process, no process group: the recipe's real ``training_step`` is profiled on one real
+batch on this machine, the cluster config supplies bandwidth, latency and the budget, and the
+same cost model and ILP as the strategy give the osdp plan. The ddp / zero2 / zero3 baselines
+are priced by the same model, so the four columns compare on equal terms. Writes
+``plan.json`` (the osdp plan, reusable as ``strategy.plan=...``), ``plan_<baseline>.json``
+and ``comparison.md`` / ``comparison.json`` into the output directory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hydra
+import lightning.pytorch as pl
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from osdp_lightning.budget import format_bytes
+from osdp_lightning.cli.common import (
+    CONFIG_PATH,
+    check_cluster_runs_here,
+    choice_names,
+    cluster_spec,
+    output_dir,
+    write_json,
+)
+from osdp_lightning.cost import BASE_CHOICES, ClusterSpec, split_choices_for
+from osdp_lightning.plan import InfeasibleBudgetError, Plan, make_plan
+from osdp_lightning.profile import ModelProfile, measure_split_overheads, profile_lightning_module
+
+BASELINES = {"ddp": "replicate", "zero2": "zero2", "zero3": "zero3"}
+AUTO_BATCH_FACTORS = (0.25, 0.5, 1, 2, 4, 8)
+
+
+def _optimizer_of(module: pl.LightningModule) -> torch.optim.Optimizer | None:
+    """The optimizer the module configures (built only to learn its state bytes per parameter)."""
+    configured = module.configure_optimizers()
+    if isinstance(configured, dict):
+        return configured["optimizer"]
+    if isinstance(configured, list | tuple):
+        return _first_optimizer(configured)
+    return configured
+
+
+def _first_optimizer(items: list | tuple) -> torch.optim.Optimizer | None:
+    first = items[0] if items else None
+    if isinstance(first, list | tuple):
+        return _first_optimizer(first)
+    return first["optimizer"] if isinstance(first, dict) else first
+
+
+def profile_recipe(cfg: DictConfig) -> tuple[ModelProfile, int]:
+    """Profile ``cfg.model`` on one real batch of ``cfg.data`` (split overheads included).
+
+    Returns the profile and the data's tokens per sample.
+    """
+    datamodule = instantiate(cfg.data)
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.train_dataloader()))
+    module = instantiate(cfg.model)
+    profile = profile_lightning_module(module, batch, optimizer=_optimizer_of(module))
+    split_factors = tuple(cfg.strategy.split_factors)
+    if split_factors:
+        profile = measure_split_overheads(module, batch, profile, split_factors)
+    return profile, datamodule.tokens_per_sample
+
+
+def _batch_candidates(profile: ModelProfile, micro_batch_size: Any) -> tuple[int, ...] | None:
+    if micro_batch_size is None:
+        return None
+    if micro_batch_size == "auto":
+        return tuple(sorted({max(1, int(profile.micro_batch_size * f)) for f in AUTO_BATCH_FACTORS}))
+    return (int(micro_batch_size),)
+
+
+def plan_all(profile: ModelProfile, cluster: ClusterSpec, cfg: DictConfig) -> dict[str, Plan | str]:
+    """The osdp plan and the three baselines; the text of the error where osdp fits nothing."""
+    candidates = _batch_candidates(profile, cfg.strategy.micro_batch_size)
+    choices = BASE_CHOICES + split_choices_for(tuple(cfg.strategy.split_factors))
+    plans: dict[str, Plan | str] = {}
+    try:
+        plans["osdp"] = make_plan(profile, cluster, micro_batch_sizes=candidates, choices=choices)
+    except InfeasibleBudgetError as err:
+        plans["osdp"] = str(err)
+    for name, choice in BASELINES.items():
+        plans[name] = _best_uniform_plan(profile, cluster, choice, candidates or (profile.micro_batch_size,))
+    return plans
+
+
+def _best_uniform_plan(profile: ModelProfile, cluster: ClusterSpec, choice: str,
+                       candidates: tuple[int, ...]) -> Plan:
+    """A baseline at the fastest micro-batch size that fits the budget (the smallest if none fits)."""
+    plans = [make_plan(profile, cluster, uniform_choice=choice, micro_batch_sizes=(b,)) for b in sorted(candidates)]
+    fitting = [p for p in plans if p.predicted_peak_bytes <= cluster.memory_budget_bytes]
+    return max(fitting, key=lambda p: p.predicted_throughput) if fitting else plans[0]
+
+
+def format_comparison(plans: dict[str, Plan | str], tokens_per_sample: int) -> str:
+    """osdp and the baselines side by side, as a markdown table."""
+    header = ("| strategy | micro-batch | predicted peak/rank | of budget | fits | step s | samples/s "
+              "| tokens/s | vs zero3 |")
+    lines = [header, "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+    reference = plans.get("zero3")
+    for name, plan in plans.items():
+        if isinstance(plan, str):
+            lines.append(f"| {name} | - | - | - | no plan fits | - | - | - | - |")
+            continue
+        fits = plan.predicted_peak_bytes <= plan.memory_budget_bytes
+        speedup = plan.predicted_throughput / reference.predicted_throughput if isinstance(reference, Plan) else 1.0
+        lines.append(
+            f"| {name} | {plan.micro_batch_size} | {format_bytes(plan.predicted_peak_bytes)} | "
+            f"{100 * plan.predicted_peak_bytes / plan.memory_budget_bytes:.0f}% | {'yes' if fits else 'NO'} | "
+            f"{plan.predicted_step_s:.4f} | {plan.predicted_throughput:.2f} | "
+            f"{plan.predicted_throughput * tokens_per_sample:,.0f} | {speedup:.2f}x |")
+    return "\n".join(lines)
+
+
+def comparison_rows(plans: dict[str, Plan | str], tokens_per_sample: int) -> list[dict[str, Any]]:
+    rows = []
+    for name, plan in plans.items():
+        if isinstance(plan, str):
+            rows.append({"strategy": name, "error": plan})
+            continue
+        rows.append({"strategy": name, "micro_batch_size": plan.micro_batch_size,
+                     "predicted_peak_bytes": plan.predicted_peak_bytes,
+                     "memory_budget_bytes": plan.memory_budget_bytes,
+                     "fits": plan.predicted_peak_bytes <= plan.memory_budget_bytes,
+                     "predicted_step_s": plan.predicted_step_s, "samples_per_s": plan.predicted_throughput,
+                     "tokens_per_s": plan.predicted_throughput * tokens_per_sample})
+    return rows
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="plan")
+def main(cfg: DictConfig) -> None:
+    """Console script ``osdp-plan``."""
+    check_cluster_runs_here(cfg.cluster, "osdp-plan")
+    pl.seed_everything(cfg.seed, verbose=False)
+    names = choice_names()
+    cluster = cluster_spec(cfg.cluster)
+    print(f"== osdp-plan: {names['model']} on {names['cluster']} ({cluster.world_size} ranks, budget "
+          f"{format_bytes(cluster.memory_budget_bytes)} per rank); profiling on this machine ==", flush=True)
+    profile, tokens_per_sample = profile_recipe(cfg)
+    plans = plan_all(profile, cluster, cfg)
+    out = output_dir()
+    osdp = plans["osdp"]
+    print(osdp.format_table() if isinstance(osdp, Plan) else f"osdp: {osdp}")
+    for name, plan in plans.items():
+        if isinstance(plan, Plan):
+            plan.save(out / ("plan.json" if name == "osdp" else f"plan_{name}.json"))
+    table = format_comparison(plans, tokens_per_sample)
+    (out / "comparison.md").write_text(table + "\n")
+    write_json(out / "comparison.json", {**names, "world_size": cluster.world_size,
+                                         "tokens_per_sample": tokens_per_sample,
+                                         "rows": comparison_rows(plans, tokens_per_sample)})
+    print(f"\npredicted per optimizer step ({profile.param_count:,} parameters, {tokens_per_sample} tokens/sample):")
+    print(table)
+    print(f"outputs: {out} (plan.json, plan_<baseline>.json, comparison.md, comparison.json)")
+
+
+if __name__ == "__main__":
+    main()

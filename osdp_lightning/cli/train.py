@@ -1,0 +1,93 @@
+"""``osdp-train``: train a recipe with a strategy on a cluster, then print the plan and a summary.
+
+    osdp-train model=gpt_tiny cluster=cpu_2 strategy=osdp
+    osdp-train -m model=gpt_tiny,bert_tiny strategy=osdp,zero3 cluster=cpu_2
+
+One run: Hydra composes the config; Lightning's subprocess launcher starts the other ranks by
+re-running this command line with the same ``hydra.run.dir``. Each rank writes into that
+directory; rank 0 writes ``metrics.csv`` (CSV logger), ``plan.json`` and ``summary.json``.
+
+A sweep (``-m``): the ranks of a job cannot be started by re-running a multirun command line
+(every child would start the whole sweep again), so each job of the sweep runs as a fresh
+single-run ``osdp-train`` process with the job's overrides and the job's directory as its run
+directory (:mod:`osdp_lightning.cli.sweep`); the sweep ends with a summary table.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import hydra
+import lightning.pytorch as pl
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+import osdp_lightning  # noqa: F401  (registers strategy="osdp")
+from osdp_lightning.budget import parse_bytes
+from osdp_lightning.callbacks import TrainingSummary
+from osdp_lightning.cli import sweep
+from osdp_lightning.cli.common import (
+    CONFIG_PATH,
+    check_cluster_runs_here,
+    choice_names,
+    destroy_process_group,
+    output_dir,
+    write_json,
+)
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Fit ``cfg.model`` on ``cfg.data`` with ``cfg.strategy``; rank 0 returns the summary row."""
+    check_cluster_runs_here(cfg.cluster, "osdp-train")
+    pl.seed_everything(cfg.seed, workers=True)
+    datamodule = instantiate(cfg.data)
+    module = instantiate(cfg.model)
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    summary = TrainingSummary(tokens_per_sample=datamodule.tokens_per_sample)
+    loggers = [instantiate(logger) for logger in cfg.get("logger", {}).values()]
+    trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=[summary], logger=loggers or False)
+    try:
+        trainer.fit(module, datamodule=datamodule)
+        return report(trainer, summary, cfg) if trainer.is_global_zero else {}
+    finally:
+        destroy_process_group()
+
+
+def report(trainer: pl.Trainer, summary: TrainingSummary, cfg: DictConfig) -> dict[str, Any]:
+    """Print the plan and the summary; write ``plan.json`` and ``summary.json``; return the row."""
+    out = output_dir()
+    plan = trainer.strategy.plan
+    plan.save(out / "plan.json")
+    row = {**choice_names(), "memory_budget": str(cfg.cluster.memory_budget),
+           **summary.summary, "output_dir": str(out)}
+    row["memory_budget_bytes"] = row.get("memory_budget_bytes") or parse_bytes(cfg.cluster.memory_budget)
+    write_json(out / "summary.json", row)
+    names = choice_names()
+    print(f"\n== osdp-train: {names['model']} on {names['cluster']}, strategy {names['strategy']} ==")
+    print(plan.format_table())
+    print()
+    print(summary.format())
+    print(f"outputs: {out} (metrics.csv, plan.json, summary.json)")
+    return row
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="train")
+def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return sweep.run_job(cfg)
+    return train(cfg)
+
+
+def main() -> None:
+    """Console script ``osdp-train``; exits non-zero when a sweep job failed."""
+    _hydra_main()
+    if sweep.FAILED_JOBS:
+        sys.exit(f"{len(sweep.FAILED_JOBS)} sweep job(s) failed: {', '.join(sweep.FAILED_JOBS)}")
+
+
+if __name__ == "__main__":
+    main()
+

@@ -1,0 +1,404 @@
+"""Stage 1: measure the model.
+
+Runs the real training computation (``training_step`` plus backward on one real batch) a few
+times on the unwrapped module and records, per unit in execution order, the parameter counts,
+forward and backward seconds (median over repeats) and the bytes saved for backward. Leaves no
+trace: weights, buffers, gradients and RNG state are restored, ``self.log`` calls are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS, ROOT, UnitSpec, owned_params, select_units
+
+
+@dataclass(frozen=True)
+class UnitProfile:
+    """One unit: the module(s) that get one ``fully_shard`` call, or the root ("")."""
+
+    name: str
+    """Qualified module name; tied modules are joined with '+'; the root is ''."""
+    module_names: tuple[str, ...]
+    param_count: int
+    """Trainable parameters owned by this unit (not by a unit inside it)."""
+    frozen_param_count: int
+    forward_s: float
+    backward_s: float
+    activation_bytes: int
+    """Bytes saved for backward while this unit's forward ran."""
+    linear_shape: tuple[int, int] | None = None
+    """``(out_features, in_features)`` when the unit is one ``nn.Linear`` (a split candidate)."""
+    split_overhead_s: tuple[tuple[int, float], ...] = ()
+    """Measured extra forward+backward seconds of splitting into ``k`` slices, as ``(k, s)``."""
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Everything the cost model needs to know about one model at one micro-batch size."""
+
+    units: tuple[UnitProfile, ...]
+    """Execution order (first forward use); the root unit last."""
+    micro_batch_size: int
+    param_bytes_per_element: int
+    grad_bytes_per_element: int
+    compute_bytes_per_element: int
+    """Bytes per element of gathered parameters (as stored; autocast casts after gathering)."""
+    reduce_bytes_per_element: int
+    optimizer_bytes_per_param: int
+    activation_bytes: int
+    """All bytes saved for backward in one training step at ``micro_batch_size``."""
+    fixed_bytes: int = 0
+    """Bytes every plan pays besides units and activations (the input batch)."""
+    step_s: float = 0.0
+    """Measured forward+backward seconds of the whole step (unwrapped model)."""
+    profile_s: float = 0.0
+    """Wall seconds the profiling took."""
+
+    @property
+    def param_count(self) -> int:
+        return sum(u.param_count + u.frozen_param_count for u in self.units)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------------------------
+class _StepRecorder:
+    """Hooks that time each unit and attribute saved-for-backward bytes to the running unit."""
+
+    def __init__(self, root: nn.Module, specs: list[UnitSpec], device: torch.device) -> None:
+        self.root, self.specs, self.device = root, specs, device
+        self.owned = owned_params(root, specs)
+        self.forward_s: dict[str, float] = {}
+        self.grad_done_t: dict[str, float] = {}
+        self.saved_bytes: dict[str, int] = {s.name: 0 for s in specs} | {ROOT: 0}
+        self.order: list[str] = []
+        self._stack: list[tuple[str, float]] = []
+        self._seen_storages: set[int] = set()
+        self._param_storages = {p.untyped_storage().data_ptr() for p in root.parameters()}
+        self._handles: list = []
+
+    def install(self) -> None:
+        for spec in self.specs:
+            for mod_name in spec.module_names:
+                mod = self.root.get_submodule(mod_name)
+                self._handles.append(mod.register_forward_pre_hook(self._pre(spec.name)))
+                self._handles.append(mod.register_forward_hook(self._post(spec.name)))
+            for p in self.owned[spec.name]:
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._grad_done(spec.name)))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _pre(self, name: str) -> Callable:
+        def hook(_mod, _args) -> None:
+            if name not in self.order:
+                self.order.append(name)
+            self._stack.append((name, self._now()))
+        return hook
+
+    def _post(self, name: str) -> Callable:
+        def hook(_mod, _args, _out) -> None:
+            unit, start = self._stack.pop()
+            self.forward_s[unit] = self.forward_s.get(unit, 0.0) + self._now() - start
+        return hook
+
+    def _grad_done(self, name: str) -> Callable:
+        def hook(_p) -> None:
+            self.grad_done_t[name] = self._now()
+        return hook
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._param_storages and key not in self._seen_storages:
+            self._seen_storages.add(key)
+            unit = self._stack[-1][0] if self._stack else ROOT
+            self.saved_bytes[unit] += storage.nbytes()
+        return tensor
+
+
+@dataclass(frozen=True)
+class _StepSample:
+    forward_s: dict[str, float]
+    backward_s: dict[str, float]
+    saved_bytes: dict[str, int]
+    order: list[str]
+    step_s: float
+
+
+def _measure_step(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[], torch.Tensor],
+                  device: torch.device) -> _StepSample:
+    rec = _StepRecorder(root, specs, device)
+    rec.install()
+    try:
+        start = rec._now()
+        with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+            loss = run_loss()
+        forward_end = rec._now()
+        loss.backward()
+        end = rec._now()
+    finally:
+        rec.remove()
+    # Backward of a unit ends when its last gradient is accumulated; the time since the previous
+    # unit's gradients finished is its backward (ops between units are charged to the later one).
+    backward_s: dict[str, float] = {}
+    previous = forward_end
+    for name, t in sorted(rec.grad_done_t.items(), key=lambda kv: kv[1]):
+        backward_s[name] = max(t - previous, 0.0)
+        previous = t
+    backward_s[ROOT] = max(end - previous, 0.0)
+    forward_s = dict(rec.forward_s)
+    forward_s[ROOT] = max(forward_end - start - sum(rec.forward_s.values()), 0.0)
+    return _StepSample(forward_s, backward_s, dict(rec.saved_bytes), rec.order, end - start)
+
+
+def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[], torch.Tensor],
+                  device: torch.device, repeats: int = 3) -> tuple[list[UnitProfile], int, float]:
+    """Profile ``run_loss`` (forward returning a loss) plus backward ``repeats`` times.
+
+    Returns the unit profiles in execution order (root last), the total saved-for-backward bytes
+    and the median step seconds. Gradients, buffers and RNG state are restored afterwards.
+    """
+    with preserved_state(root):
+        warmup = _measure_step(root, specs, run_loss, device)  # also: allocator, lazy init, caches
+        root.zero_grad(set_to_none=True)
+        # NOTE: a module whose forward is never called (nn.MultiheadAttention reads out_proj.weight
+        # directly) cannot be its own FSDP unit: its hooks would never gather the weight.
+        specs = [s for s in specs if s.name in warmup.order]
+        samples = []
+        for _ in range(repeats):
+            samples.append(_measure_step(root, specs, run_loss, device))
+            root.zero_grad(set_to_none=True)
+    first = samples[0]
+    by_name = {s.name: s for s in specs}
+    owned = owned_params(root, specs)
+    units = [_unit_profile(n, by_name[n].module_names, owned[n], root, samples) for n in first.order if n in by_name]
+    units.append(_unit_profile(ROOT, (ROOT,), owned[ROOT], root, samples))
+    return units, sum(first.saved_bytes.values()), statistics.median(s.step_s for s in samples)
+
+
+def _unit_profile(name: str, module_names: tuple[str, ...], params: list[nn.Parameter], root: nn.Module,
+                  samples: list[_StepSample]) -> UnitProfile:
+    linear = root.get_submodule(module_names[0]) if len(module_names) == 1 and name != ROOT else None
+    shape = (linear.out_features, linear.in_features) if type(linear) is nn.Linear else None
+    return UnitProfile(
+        name=name, module_names=module_names,
+        param_count=sum(p.numel() for p in params if p.requires_grad),
+        frozen_param_count=sum(p.numel() for p in params if not p.requires_grad),
+        forward_s=statistics.median(s.forward_s.get(name, 0.0) for s in samples),
+        backward_s=statistics.median(s.backward_s.get(name, 0.0) for s in samples),
+        activation_bytes=samples[0].saved_bytes.get(name, 0), linear_shape=shape)
+
+
+@contextlib.contextmanager
+def preserved_state(module: nn.Module) -> Iterator[None]:
+    """Restore parameters, buffers, gradients and every RNG after the block."""
+    tensors = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
+    grads = {id(p): (p.grad.detach().clone() if p.grad is not None else None) for p in module.parameters()}
+    with preserved_rng():
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for key, value in module.state_dict(keep_vars=True).items():
+                    value.copy_(tensors[key])
+            for p in module.parameters():
+                p.grad = grads[id(p)]
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Restore the torch, CUDA, Python and NumPy random states after the block."""
+    state = _rng_state()
+    try:
+        yield
+    finally:
+        _set_rng_state(state)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    with contextlib.suppress(ImportError):
+        import numpy as np
+        state["numpy"] = np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "numpy" in state:
+        import numpy as np
+        np.random.set_state(state["numpy"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> int:
+    """Bytes of optimizer state per parameter, found by stepping a same-configured optimizer.
+
+    Works for any ``torch.optim`` optimizer (Adam: 2 states, SGD with momentum: 1, plain SGD: 0)
+    without a table of known classes.
+    """
+    probe = nn.Parameter(torch.zeros(4096, dtype=dtype))
+    probe.grad = torch.full_like(probe, 1e-3)
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+    clone = type(optimizer)([probe], **defaults)
+    clone.step()
+    state = clone.state.get(probe, {})
+    return sum(t.numel() * t.element_size() for t in state.values()
+               if isinstance(t, torch.Tensor) and t.numel() == probe.numel()) // probe.numel()
+
+
+# ---------------------------------------------------------------------------------------------
+# LightningModule entry point
+# ---------------------------------------------------------------------------------------------
+def profile_lightning_module(module: nn.Module, batch: object | None = None, *,
+                             micro_batch_size: int | None = None,
+                             unit_module_types: Sequence[str | type] | None = None,
+                             unit_name_patterns: Sequence[str] | None = None,
+                             min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS,
+                             optimizer: torch.optim.Optimizer | None = None,
+                             step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                             repeats: int = 3) -> ModelProfile:
+    """Profile a LightningModule's real training computation on ``batch``.
+
+    Runs ``training_step(batch, 0)`` plus backward; with ``batch=None`` runs
+    ``forward(example_input_array)`` and backpropagates the sum of its output.
+    """
+    start = time.perf_counter()
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError(f"{type(module).__name__} has no trainable parameters: there is nothing to shard "
+                         "or train; unfreeze some parameters (requires_grad=True).")
+    specs = select_units(module, unit_module_types, unit_name_patterns, min_unit_params)
+    device = next(module.parameters()).device
+    run_loss = _loss_runner(module, batch, step_context)
+    with _logging_disabled(module):
+        units, activation_bytes, step_s = measure_units(module, specs, run_loss, device, repeats)
+    dtype = next(p for p in module.parameters() if p.requires_grad).dtype
+    elem = torch.empty((), dtype=dtype).element_size()
+    inputs = batch if batch is not None else getattr(module, "example_input_array", None)
+    return ModelProfile(
+        units=tuple(units), micro_batch_size=micro_batch_size or batch_size_of(inputs),
+        param_bytes_per_element=elem, grad_bytes_per_element=elem, compute_bytes_per_element=elem,
+        reduce_bytes_per_element=elem,
+        optimizer_bytes_per_param=optimizer_state_bytes_per_param(optimizer, dtype) if optimizer else 0,
+        activation_bytes=activation_bytes, fixed_bytes=_tensor_bytes(inputs), step_s=step_s,
+        profile_s=time.perf_counter() - start)
+
+
+def _loss_runner(module: nn.Module, batch: object | None,
+                 step_context: Callable[[], contextlib.AbstractContextManager]) -> Callable[[], torch.Tensor]:
+    if batch is None:
+        example = getattr(module, "example_input_array", None)
+        if example is None:
+            raise ValueError("profiling needs a training batch or `example_input_array` on the module")
+
+        def run_forward() -> torch.Tensor:
+            with step_context():
+                args = example if isinstance(example, tuple) else (example,)
+                out = module(*args)
+            return sum(t.float().sum() for t in _tensors(out))
+        return run_forward
+
+    def run_training_step() -> torch.Tensor:
+        with step_context():
+            out = module.training_step(batch, 0)
+        loss = out["loss"] if isinstance(out, dict) else out
+        if not isinstance(loss, torch.Tensor):
+            raise ValueError(
+                f"{type(module).__name__}.training_step returned {type(out).__name__}, not a loss tensor; "
+                "the osdp strategy profiles automatic optimization (return the loss or {'loss': ...}).")
+        return loss
+    return run_training_step
+
+
+@contextlib.contextmanager
+def _logging_disabled(module: nn.Module) -> Iterator[None]:
+    """Drop ``self.log`` calls made while profiling (the metrics must not see profiling steps)."""
+    patched = [name for name in ("log", "log_dict") if hasattr(module, name)]
+    for name in patched:
+        setattr(module, name, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        for name in patched:
+            delattr(module, name)
+
+
+def _tensors(obj: object) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _tensor_bytes(obj: object) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(obj))
+
+
+def batch_size_of(batch: object) -> int:
+    """Samples in ``batch``: the first dimension of its first tensor (1 when there is none)."""
+    tensors = _tensors(batch)
+    return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else 1
+
+
+def measure_split_overheads(module: nn.Module, batch: object | None, profile: ModelProfile,
+                            factors: Sequence[int],
+                            step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                            ) -> ModelProfile:
+    """Add the measured cost of splitting each Linear unit into ``k`` slices (k in ``factors``).
+
+    Captures each Linear unit's real input during one forward, then times the split layer
+    against the plain one on that input (k smaller matmuls and a sum are not free on CPU).
+    """
+    from osdp_lightning.split import measure_split_overhead_s
+
+    linear_units = [u for u in profile.units if u.linear_shape is not None]
+    if not linear_units:
+        return profile
+    inputs: dict[str, torch.Tensor] = {}
+    handles = [module.get_submodule(u.module_names[0]).register_forward_pre_hook(
+        lambda _m, args, name=u.name: inputs.setdefault(name, args[0].detach())) for u in linear_units]
+    run_loss = _loss_runner(module, batch, step_context)
+    try:
+        with preserved_state(module), _logging_disabled(module), torch.no_grad():
+            run_loss()
+    finally:
+        for h in handles:
+            h.remove()
+    updated = []
+    for unit in profile.units:
+        valid = [k for k in factors if unit.linear_shape is not None and unit.linear_shape[1] % k == 0]
+        if unit.name not in inputs or not valid:
+            updated.append(unit)
+            continue
+        linear = module.get_submodule(unit.module_names[0])
+        with preserved_rng(), step_context():
+            overheads = tuple((k, max(measure_split_overhead_s(linear, inputs[unit.name], k), 0.0)) for k in valid)
+        updated.append(dataclasses.replace(unit, split_overhead_s=overheads))
+    return dataclasses.replace(profile, units=tuple(updated))

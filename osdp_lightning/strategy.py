@@ -1,0 +1,341 @@
+"""Lightning glue: ``Trainer(strategy="osdp")``.
+
+At ``setup`` (after the process group exists, before the optimizer is built) the strategy:
+
+1. times a few collectives on the live process group (every rank; rank 0's figures broadcast);
+2. on rank 0: profiles the real ``training_step`` on one real batch, builds the choice table and
+   solves the ILP; the Plan (or the error) is broadcast so that every rank applies the same one;
+3. applies the plan with FSDP2 and lets Lightning build the optimizer on the sharded parameters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from osdp_lightning import checkpoint as checkpoint_io
+from osdp_lightning.apply import Meshes, apply_plan, build_meshes
+from osdp_lightning.budget import PLAN_HEADROOM_FRACTION, default_memory_budget, parse_bytes
+from osdp_lightning.calibrate import CollectiveTimings, measure_collectives
+from osdp_lightning.cost import BASE_CHOICES, REPLICATE, ClusterSpec, split_choices_for
+from osdp_lightning.plan import Plan, make_plan
+from osdp_lightning.profile import (
+    DEFAULT_MIN_UNIT_PARAMS,
+    ModelProfile,
+    measure_split_overheads,
+    preserved_rng,
+    profile_lightning_module,
+)
+
+_BASELINE_ALIASES = {"ddp": REPLICATE, "fsdp": "zero3"}
+AUTO_BATCH_FACTORS = (0.25, 0.5, 1, 2, 4, 8)
+
+
+class _RootWrapper(nn.Module):
+    """The outermost module. FSDP2 makes it the root, so its hooks run around ``training_step``
+    (Lightning redirects ``*_step`` calls through the wrapper's forward)."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+class OSDPStrategy(ModelParallelStrategy):
+    """Optimal Sharded Data Parallel: per-module replicate / zero2 / zero3 / split, chosen by an ILP
+    under a per-rank memory budget and applied with FSDP2.
+
+    Args:
+        memory_budget: Per-rank bytes, as an int or a string such as ``"6GiB"``. Default: the
+            device's memory minus 8% on CUDA, 80% of RAM shared by the node's ranks on CPU.
+        plan: A :class:`Plan` or a path to a saved plan JSON; skips profiling and solving.
+        micro_batch_size: ``None`` keeps the user's; an int sets the module's or datamodule's
+            ``batch_size``; ``"auto"`` searches sizes for the highest predicted throughput.
+        uniform_choice: Give every unit this choice instead of solving (baselines: ``"ddp"`` /
+            ``"replicate"``, ``"zero2"``, ``"zero3"``).
+        split_factors: Slice counts the ILP may split Linear layers into; ``()`` turns it off.
+        unit_module_types / unit_name_patterns: Which modules are units (default: leaf modules
+            with at least ``min_unit_params`` parameters).
+        overlap_efficiency: Override the measured share of communication hidden by compute.
+        save_distributed_checkpoint: Sharded (default) or one consolidated checkpoint file.
+    """
+
+    strategy_name = "osdp"
+    # NOTE: FSDPStrategy keeps this list at class level and checks it for a GPU; ours is separate.
+    _registered_strategies: list[str] = []
+
+    def __init__(self, memory_budget: int | str | None = None, plan: Plan | str | Path | None = None,
+                 micro_batch_size: int | Literal["auto"] | None = None, uniform_choice: str | None = None,
+                 split_factors: Sequence[int] = (2, 4, 8),
+                 unit_module_types: Sequence[str | type] | None = None,
+                 unit_name_patterns: Sequence[str] | None = None,
+                 min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS, profile_repeats: int = 3,
+                 overlap_efficiency: float | None = None, solver_time_limit_s: float | None = None,
+                 save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout) -> None:
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self.memory_budget_bytes = parse_bytes(memory_budget) if memory_budget is not None else None
+        self._plan_source = plan if isinstance(plan, Plan) else (Plan.load(plan) if plan is not None else None)
+        self.micro_batch_size = _check_micro_batch_size(micro_batch_size)
+        self.uniform_choice = _check_uniform_choice(uniform_choice)
+        self.split_factors = _check_split_factors(split_factors)
+        self.unit_module_types, self.unit_name_patterns = unit_module_types, unit_name_patterns
+        self.min_unit_params, self.profile_repeats = min_unit_params, profile_repeats
+        self.overlap_efficiency, self.solver_time_limit_s = overlap_efficiency, solver_time_limit_s
+        self._plan: Plan | None = None
+        self._profile: ModelProfile | None = None
+        self._timings: CollectiveTimings | None = None
+        self._meshes: Meshes | None = None
+        self._root: _RootWrapper | None = None
+        self.setup_s: dict[str, float] = {}
+        """Seconds spent at setup: calibrate, profile, solve, apply (rank 0's figures)."""
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description="Optimal Sharded Data Parallel")
+            cls._registered_strategies.append(cls.strategy_name)
+
+    # -- properties that raise a clear error when used too early ------------------------------
+    @property
+    def plan(self) -> Plan:
+        if self._plan is None:
+            raise RuntimeError("the osdp plan exists only after setup: access `trainer.strategy.plan` after "
+                               "`trainer.fit()` has started (or pass plan= to the strategy)")
+        return self._plan
+
+    @property
+    def profile(self) -> ModelProfile | None:
+        """The measured profile (``None`` when the plan was given)."""
+        return self._profile
+
+    @property
+    def timings(self) -> CollectiveTimings:
+        if self._timings is None:
+            raise RuntimeError("collective timings are measured at setup; they are not available yet")
+        return self._timings
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def setup_environment(self) -> None:
+        # NOTE: skip ModelParallelStrategy's (dp, tp) mesh; our meshes are built per plan in setup.
+        self._setup_distributed()
+        self._device_mesh = None
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if self._root is not None and self._root.module is module:
+            self.model = self._root  # a later stage (validate/test after fit): already sharded
+        else:
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+            self._plan = self._decide_plan(trainer, module)
+            rank_zero_info(f"osdp plan ({self.world_size} ranks):\n{self._plan.format_table()}")
+            apply_start = time.perf_counter()
+            self._meshes = build_meshes(self.root_device.type, self.world_size)
+            self._root = _RootWrapper(module)
+            apply_plan(module, self._root, self._plan, self._meshes)
+            self.model = self._root
+            self.setup_s = {
+                "calibrate_s": self._timings.calibrate_s if self._timings else 0.0,
+                "profile_s": self._plan.profile_s, "solve_s": self._plan.solve_s,
+                "apply_s": time.perf_counter() - apply_start}
+            rank_zero_info("osdp setup: " + ", ".join(f"{k[:-2]} {v:.3f} s" for k, v in self.setup_s.items()))
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    # -- deciding the plan ---------------------------------------------------------------------
+    def _decide_plan(self, trainer: pl.Trainer, module: pl.LightningModule) -> Plan:
+        if self.world_size == 1:
+            rank_zero_info("osdp: one process, nothing to shard across; every unit is replicated "
+                           "(a single-device plan).")
+        if self._plan_source is not None:
+            self._plan_source.check_matches(module, self.world_size)
+            return self._plan_source
+        if self.micro_batch_size not in (None, "auto"):
+            _set_batch_size(trainer, module, int(self.micro_batch_size))
+        self._timings = measure_collectives(self.root_device) if self.world_size > 1 else None
+        outcome: list[Any] = [None]
+        if self.global_rank == 0:
+            try:
+                outcome[0] = self._profile_and_solve(trainer, module)
+            except Exception as err:  # every rank must learn of the failure, not wait forever
+                outcome[0] = err
+        if dist.is_initialized() and self.world_size > 1:
+            dist.broadcast_object_list(outcome, src=0)
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        profile, plan = outcome[0]
+        self._profile = profile
+        if plan.micro_batch_size != _current_batch_size(trainer, module, plan.micro_batch_size):
+            _set_batch_size(trainer, module, plan.micro_batch_size)
+            rank_zero_info(f"osdp: micro-batch size set to {plan.micro_batch_size} (micro_batch_size='auto')")
+        return plan
+
+    def _profile_and_solve(self, trainer: pl.Trainer, module: pl.LightningModule) -> tuple[ModelProfile, Plan]:
+        with preserved_rng():
+            batch = _first_training_batch(trainer, module, self)
+        optimizer = _throwaway_optimizer(module)
+        profile = profile_lightning_module(
+            module, batch, unit_module_types=self.unit_module_types,
+            unit_name_patterns=self.unit_name_patterns, min_unit_params=self.min_unit_params,
+            optimizer=optimizer, step_context=self.precision_plugin.train_step_context,
+            repeats=self.profile_repeats)
+        if self.split_factors and self.uniform_choice is None and self.world_size > 1:
+            profile = measure_split_overheads(module, batch, profile, self.split_factors,
+                                              self.precision_plugin.train_step_context)
+        cluster = self._cluster_spec()
+        candidates = None
+        if self.micro_batch_size == "auto":
+            base = profile.micro_batch_size
+            candidates = tuple(sorted({max(1, int(base * f)) for f in AUTO_BATCH_FACTORS}))
+        plan = make_plan(profile, cluster, uniform_choice=self.uniform_choice, micro_batch_sizes=candidates,
+                         choices=BASE_CHOICES + split_choices_for(self.split_factors),
+                         time_limit_s=self.solver_time_limit_s)
+        if plan.predicted_peak_bytes > cluster.memory_budget_bytes:
+            rank_zero_warn(f"osdp: the {plan.source} plan is predicted to exceed the memory budget "
+                           f"({plan.predicted_peak_bytes} > {cluster.memory_budget_bytes} bytes)")
+        return profile, plan
+
+    def _cluster_spec(self) -> ClusterSpec:
+        budget = self.memory_budget_bytes or default_memory_budget(self.root_device, self.num_processes)
+        timings = self._timings
+        overlap = self.overlap_efficiency
+        if overlap is None:
+            overlap = timings.overlap_efficiency if timings else 0.0
+        return ClusterSpec(
+            world_size=self.world_size, memory_budget_bytes=budget,
+            collective_latency_s=timings.latency_s if timings else 0.0,
+            bandwidth_bytes_per_s=timings.bandwidth_bytes_per_s if timings else 1e12,
+            overlap_efficiency=overlap, ranks_per_node=self.num_processes,
+            headroom_bytes=int(budget * PLAN_HEADROOM_FRACTION))
+
+    # -- checkpoints: keys of the unwrapped LightningModule (osdp_lightning/checkpoint.py) ---------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Canonical model state: DTensor shards, or whole tensors on rank 0 when consolidating."""
+        return checkpoint_io.model_state(self.lightning_module, full=not self._save_distributed_checkpoint)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return checkpoint_io.optimizer_state(self.lightning_module, optimizer,
+                                             full=not self._save_distributed_checkpoint)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("OSDPStrategy.save_checkpoint(..., storage_options=...) is not supported: the osdp "
+                            "strategy writes its checkpoints itself (torch.distributed.checkpoint), not via CheckpointIO")
+        path = Path(self.broadcast(str(filepath)))
+        info = {"plan": {u.name: u.choice for u in self._plan.units} if self._plan is not None else None}
+        checkpoint_io.save_checkpoint(checkpoint, path, sharded=self._save_distributed_checkpoint, info=info)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        optimizers = [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
+        return checkpoint_io.load_checkpoint(path, self.lightning_module, optimizers,
+                                             strict=self.lightning_module.strict_loading, weights_only=weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # NOTE: load_checkpoint already loaded the tensors and removed them from what it returned;
+        # a dict that still holds whole tensors (e.g. torch.load of a .ckpt file) is loaded here.
+        if "state_dict" in checkpoint:
+            checkpoint_io.load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        optimizers = [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
+        for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", []), strict=False):
+            checkpoint_io.load_full_optimizer_state(self.lightning_module, optimizer, state)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _check_micro_batch_size(value: Any) -> int | str | None:
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    raise ValueError(f"micro_batch_size must be a positive int, 'auto' or None; got {value!r}")
+
+
+def _check_uniform_choice(value: str | None) -> str | None:
+    if value is None:
+        return None
+    choice = _BASELINE_ALIASES.get(value, value)
+    if choice not in BASE_CHOICES:
+        raise ValueError(f"uniform_choice {value!r} is not one of {list(BASE_CHOICES) + list(_BASELINE_ALIASES)}")
+    return choice
+
+
+def _check_split_factors(factors: Sequence[int]) -> tuple[int, ...]:
+    factors = tuple(factors or ())
+    bad = [k for k in factors if not isinstance(k, int) or k < 2]
+    if bad:
+        raise ValueError(f"split_factors must be integers >= 2 (or () to turn splitting off); got {bad}")
+    return factors
+
+
+def _batch_size_owner(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
+    return lightning_hasattr(module, "batch_size")
+
+
+def _current_batch_size(trainer: pl.Trainer, module: pl.LightningModule, default: int) -> int:
+    return int(lightning_getattr(module, "batch_size")) if _batch_size_owner(trainer, module) else default
+
+
+def _set_batch_size(trainer: pl.Trainer, module: pl.LightningModule, size: int) -> None:
+    if not _batch_size_owner(trainer, module):
+        raise ValueError("micro_batch_size needs a `batch_size` attribute on the LightningModule or its "
+                         "DataModule (the way Lightning's batch-size finder sets it); none was found")
+    lightning_setattr(module, "batch_size", size)
+
+
+def _first_training_batch(trainer: pl.Trainer, module: pl.LightningModule, strategy: OSDPStrategy) -> Any:
+    """One real training batch, moved to the device the way Lightning will move it."""
+    source = trainer.fit_loop._data_source
+    if trainer.state.fn != TrainerFn.FITTING or not source.is_defined():
+        return None  # profile with example_input_array
+    loader = source.dataloader()
+    batch = next(iter(loader))
+    return strategy.batch_to_device(batch, strategy.root_device)
+
+
+def _throwaway_optimizer(module: pl.LightningModule) -> torch.optim.Optimizer | None:
+    """The optimizer the module configures, built once to learn its state size, then dropped."""
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+    optimizers, _ = _init_optimizers_and_lr_schedulers(module)
+    return optimizers[0] if optimizers else None

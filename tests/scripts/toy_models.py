@@ -1,0 +1,105 @@
+"""Small LightningModules the osdp strategy was not written for (used by multi-process tests)."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB, SEQ = 64, 16
+
+
+class LossRecorder(L.LightningModule):
+    """Shared training logic: records the per-step loss, plain Adam."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+        self.batch_size = 8
+
+    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        loss = self.compute_loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.losses.append(float(outputs["loss"]))
+
+    def configure_optimizers(self):  # noqa: ANN201
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(1234)
+        data = self.make_data(g)
+        return DataLoader(TensorDataset(*data), batch_size=self.batch_size, shuffle=True,
+                          generator=torch.Generator().manual_seed(7))
+
+
+class MLP(LossRecorder):
+    def __init__(self, width: int = 256, depth: int = 4) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(width, 1))
+        self.width = width
+
+    def make_data(self, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(256, self.width, generator=g)
+        return x, x[:, :4].sum(dim=1, keepdim=True)
+
+    def compute_loss(self, batch) -> torch.Tensor:  # noqa: ANN001
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+class TorchTransformer(LossRecorder):
+    """A classifier built from torch.nn's own attention modules."""
+
+    def __init__(self, d_model: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d_model)
+        block = nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=4 * d_model, dropout=0.0,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(block, num_layers=layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, 2)
+
+    def make_data(self, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+        x = torch.randint(0, VOCAB, (256, SEQ), generator=g)
+        return x, (x[:, 0] > VOCAB // 2).long()
+
+    def compute_loss(self, batch) -> torch.Tensor:  # noqa: ANN001
+        x, y = batch
+        h = self.encoder(self.embed(x))  # (B, T, C)
+        return nn.functional.cross_entropy(self.head(h.mean(dim=1)), y)
+
+
+class TiedLM(LossRecorder):
+    """A causal language model whose output head is tied to its embedding."""
+
+    def __init__(self, d_model: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d_model)
+        self.pos = nn.Parameter(torch.zeros(SEQ, d_model))
+        block = nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=4 * d_model, dropout=0.0,
+                                           batch_first=True)
+        self.blocks = nn.TransformerEncoder(block, num_layers=layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ - 1))
+
+    def make_data(self, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+        start = torch.randint(0, VOCAB, (256, 1), generator=g)
+        return ((start + torch.arange(SEQ)) % VOCAB,)  # counting sequences: learnable
+
+    def compute_loss(self, batch) -> torch.Tensor:  # noqa: ANN001
+        (tokens,) = batch
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        h = self.embed(x) + self.pos[: x.shape[1]]  # (B, T, C)
+        h = self.norm(self.blocks(h, mask=self.mask, is_causal=True))
+        return nn.functional.cross_entropy(self.head(h).reshape(-1, VOCAB), y.reshape(-1))
+
+
+MODELS = {"mlp": MLP, "transformer": TorchTransformer, "tied_lm": TiedLM}

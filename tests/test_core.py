@@ -1,0 +1,216 @@
+"""In-process tests of the core stages: budget parsing, registration, cost formulas, profiling
+without a trace, unit selection, plan round trip and mismatch errors."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import random
+import re
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from toy_models import MLP, TiedLM, TorchTransformer  # noqa: E402
+
+import osdp_lightning  # noqa: E402
+from osdp_lightning import OSDPStrategy, Plan, PlanMismatchError, make_plan, parse_bytes  # noqa: E402
+from osdp_lightning.cost import ClusterSpec, all_reduce_s, base_choice_cost, build_choice_table  # noqa: E402
+from osdp_lightning.plan import InfeasibleBudgetError  # noqa: E402
+from osdp_lightning.profile import (  # noqa: E402
+    ModelProfile,
+    UnitProfile,
+    optimizer_state_bytes_per_param,
+    profile_lightning_module,
+)
+from osdp_lightning.units import select_units  # noqa: E402
+
+CLUSTER = ClusterSpec(world_size=2, memory_budget_bytes=2**40, collective_latency_s=1e-4,
+                      bandwidth_bytes_per_s=1e9)
+
+
+# -- budget ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, expected", [
+    ("8GiB", 8 * 2**30), ("512MB", 512 * 10**6), ("1.5G", int(1.5 * 2**30)), (4096, 4096), ("100", 100),
+    (" 2 MiB ", 2 * 2**20)])
+def test_parse_bytes_accepts_sizes(text, expected) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["-1GiB", "0", 0, -5, "eight gigs", "8 parsecs", "", True])
+def test_parse_bytes_refuses_nonsense_with_a_clear_message(bad) -> None:
+    with pytest.raises(ValueError, match="memory budget"):
+        parse_bytes(bad)
+
+
+def test_strategy_refuses_a_bad_budget_at_construction() -> None:
+    with pytest.raises(ValueError, match="cannot read memory budget"):
+        OSDPStrategy(memory_budget="lots")
+
+
+# -- registration ------------------------------------------------------------------------------
+def test_import_registers_osdp_once_and_cpu_is_allowed() -> None:
+    from lightning.pytorch.strategies import FSDPStrategy, StrategyRegistry
+
+    importlib.reload(osdp_lightning)  # importing twice is harmless
+    assert StrategyRegistry.available_strategies().count("osdp") == 1
+    assert "osdp" not in FSDPStrategy.get_registered_strategies()
+    trainer = L.Trainer(strategy="osdp", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, OSDPStrategy)
+    trainer = L.Trainer(strategy=OSDPStrategy(memory_budget="1GiB"), accelerator="cpu", devices=2, logger=False)
+    assert trainer.strategy.memory_budget_bytes == 2**30
+
+
+def test_plan_property_raises_before_setup() -> None:
+    with pytest.raises(RuntimeError, match="only after setup"):
+        _ = OSDPStrategy().plan
+
+
+# -- cost formulas -----------------------------------------------------------------------------
+def _profile(params: int = 1000, world_units: int = 1) -> ModelProfile:
+    unit = UnitProfile("lin", ("lin",), params, 0, forward_s=0.01, backward_s=0.02, activation_bytes=100)
+    root = UnitProfile("", ("",), 10, 0, forward_s=0.0, backward_s=0.0, activation_bytes=0)
+    return ModelProfile(units=(unit, root), micro_batch_size=4, param_bytes_per_element=4,
+                        grad_bytes_per_element=4, compute_bytes_per_element=4, reduce_bytes_per_element=4,
+                        optimizer_bytes_per_param=8, activation_bytes=100)
+
+
+def test_cost_formulas_by_hand() -> None:
+    profile, p = _profile(), 1000
+    unit = profile.units[0]
+    rep = base_choice_cost(unit, profile, CLUSTER, "replicate")
+    z2 = base_choice_cost(unit, profile, CLUSTER, "zero2")
+    z3 = base_choice_cost(unit, profile, CLUSTER, "zero3")
+    # replicate: param + FSDP2's unsharded copy + grad + Adam (2 states); one all-reduce of the grads
+    assert rep.state_bytes == p * (4 + 4 + 4 + 8) and rep.transient_bytes == 0
+    assert math.isclose(rep.comm_s, 1e-4 + 2 * 4 * p * (1 / 2) / 1e9)
+    assert math.isclose(rep.comm_s, all_reduce_s(4 * p, 2, CLUSTER))
+    # zero2: state / W, gathered params held forward->backward; all-gather + reduce-scatter
+    assert z2.state_bytes == p * 16 // 2 and z2.held_bytes == 4 * p
+    assert math.isclose(z2.comm_s, 2 * (1e-4 + 4 * p / 2 / 1e9))
+    # zero3: nothing held, params + grads transient; two all-gathers + reduce-scatter
+    assert z3.state_bytes == z2.state_bytes and z3.held_bytes == 0 and z3.transient_bytes == 8 * p
+    assert math.isclose(z3.comm_s, 3 * (1e-4 + 4 * p / 2 / 1e9))
+    assert rep.compute_s == z3.compute_s == pytest.approx(0.03)
+
+
+def test_one_rank_offers_only_replicate() -> None:
+    table = build_choice_table(_profile(), ClusterSpec(1, 2**30, 0.0, 1e9))
+    assert all([c.choice for c in u.choices] == ["replicate"] for u in table.units)
+    assert all(c.comm_s == 0 for u in table.units for c in u.choices)
+
+
+def test_optimizer_state_is_read_from_the_optimizer() -> None:
+    p = [nn.Parameter(torch.zeros(3))]
+    assert optimizer_state_bytes_per_param(torch.optim.AdamW(p), torch.float32) == 8
+    assert optimizer_state_bytes_per_param(torch.optim.SGD(p, lr=0.1, momentum=0.9), torch.float32) == 4
+    assert optimizer_state_bytes_per_param(torch.optim.SGD(p, lr=0.1), torch.float32) == 0
+
+
+# -- units and profiling -----------------------------------------------------------------------
+def test_tied_modules_form_one_unit_and_small_modules_stay_with_the_root() -> None:
+    names = [s.name for s in select_units(TiedLM())]
+    assert "embed+head" in names
+    assert not any("norm" in n for n in names)  # 2*64 parameters: below the unit threshold
+
+
+def test_unit_patterns_that_match_nothing_are_refused() -> None:
+    with pytest.raises(ValueError, match="match no module"):
+        select_units(MLP(), unit_name_patterns=["decoder.*"])
+
+
+def test_profiling_leaves_no_trace() -> None:
+    model = TorchTransformer()
+    batch = next(iter(model.train_dataloader()))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(3)
+    random.seed(3)
+    expected_draw = (torch.rand(3), random.random())
+    torch.manual_seed(3)
+    random.seed(3)
+    profile = profile_lightning_module(model, batch, optimizer=model.configure_optimizers())
+    assert (torch.rand(3), random.random())[1] == expected_draw[1]
+    torch.manual_seed(3)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert "log" not in vars(model)  # self.log patched only while profiling
+    # execution order, MHA (whose out_proj forward never runs) is one unit, root last
+    names = [u.name for u in profile.units]
+    assert names[0] == "embed" and names[-1] == "" and "encoder.layers.0.self_attn" in names
+    assert "encoder.layers.0.self_attn.out_proj" not in names
+    assert profile.optimizer_bytes_per_param == 8 and profile.micro_batch_size == 8
+    assert sum(u.param_count for u in profile.units) == sum(p.numel() for p in model.parameters())
+    assert all(u.forward_s >= 0 and u.backward_s >= 0 for u in profile.units)
+    assert profile.activation_bytes > 0
+
+
+def test_profiling_draws_no_random_numbers() -> None:
+    model = MLP()
+    batch = next(iter(model.train_dataloader()))
+    torch.manual_seed(11)
+    expected = torch.rand(4)
+    torch.manual_seed(11)
+    profile_lightning_module(model, batch)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_model_without_trainable_parameters_is_refused() -> None:
+    model = MLP().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        profile_lightning_module(model, next(iter(model.train_dataloader())))
+
+
+# -- plans -------------------------------------------------------------------------------------
+def _mlp_plan(budget: int = 2**40) -> tuple[MLP, Plan]:
+    model = MLP()
+    profile = profile_lightning_module(model, next(iter(model.train_dataloader())),
+                                       optimizer=model.configure_optimizers())
+    cluster = ClusterSpec(2, budget, 1e-4, 1e9)
+    return model, make_plan(profile, cluster)
+
+
+def test_plan_round_trips_through_json(tmp_path: Path) -> None:
+    model, plan = _mlp_plan()
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded.units == plan.units and loaded.predicted_peak_bytes == plan.predicted_peak_bytes
+    assert loaded.source.startswith("loaded:")
+    table = plan.format_table()
+    assert "net.0" in table and "predicted peak per rank" in table and "solver: Optimal" in table
+    loaded.check_matches(model, 2)
+
+
+def test_plan_for_another_model_or_world_size_says_what_differs(tmp_path: Path) -> None:
+    _, plan = _mlp_plan()
+    with pytest.raises(PlanMismatchError, match="world size: plan 2, run 4"):
+        plan.check_matches(MLP(), 4)
+    with pytest.raises(PlanMismatchError, match="parameters"):
+        plan.check_matches(MLP(width=128), 2)
+    with pytest.raises(PlanMismatchError, match="does not have"):
+        plan.check_matches(TiedLM(), 2)
+
+
+def test_corrupt_or_unknown_plans_are_refused(tmp_path: Path) -> None:
+    _, plan = _mlp_plan()
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a valid osdp plan"):
+        Plan.load(tmp_path / "bad.json")
+    plan.save(tmp_path / "p.json")
+    text = (tmp_path / "p.json").read_text().replace('"replicate"', '"zero9"')
+    (tmp_path / "p.json").write_text(text)
+    with pytest.raises(ValueError, match="unknown choices"):
+        Plan.load(tmp_path / "p.json")
+
+
+def test_infeasible_budget_names_the_smallest_that_fits() -> None:
+    _, loose = _mlp_plan()
+    with pytest.raises(InfeasibleBudgetError, match=r"smallest budget that fits is .* \((\d+) bytes") as err:
+        _mlp_plan(budget=loose.predicted_peak_bytes // 4)
+    smallest = int(re.search(r"\((\d+) bytes", str(err.value)).group(1))
+    _, fits = _mlp_plan(budget=smallest)
+    assert fits.predicted_peak_bytes <= smallest

@@ -1,0 +1,94 @@
+"""osdp on 2 real gloo ranks against Lightning's own DDP: same losses, same plan on every rank,
+measured peak under the budget and close to the prediction."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from toy_models import MODELS  # noqa: E402
+
+from osdp_lightning.cost import ClusterSpec, build_choice_table  # noqa: E402
+from osdp_lightning.profile import profile_lightning_module  # noqa: E402
+from osdp_lightning.solve import peak_bytes, smallest_feasible_budget  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+REL_TOL = 1e-4
+PEAK_TOL = 0.15
+
+
+def budget_forcing_a_mix(model_name: str) -> int:
+    """Half-way between the smallest feasible peak and the all-replicate peak (2 ranks)."""
+    model = MODELS[model_name]()
+    batch = next(iter(model.train_dataloader()))
+    profile = profile_lightning_module(model, batch, optimizer=model.configure_optimizers())
+    cluster = ClusterSpec(world_size=2, memory_budget_bytes=2**40, collective_latency_s=1e-4,
+                          bandwidth_bytes_per_s=1e9)
+    table = build_choice_table(profile, cluster)
+    all_replicate = peak_bytes(table, ["replicate"] * len(table.units))
+    return (all_replicate + smallest_feasible_budget(table)) // 2
+
+
+def assert_same_losses(reference: list[dict], candidate: list[dict]) -> None:
+    for ref, got in zip(reference, candidate, strict=True):
+        assert len(ref["losses"]) == len(got["losses"]) > 0
+        for a, b in zip(ref["losses"], got["losses"], strict=True):
+            assert abs(a - b) <= REL_TOL * max(abs(a), 1e-8), (ref["losses"], got["losses"])
+
+
+def assert_plan_and_memory(result: list[dict]) -> dict:
+    plans = [r["plan"] for r in result]
+    assert all(p == plans[0] for p in plans), "ranks applied different plans"
+    plan, summary = plans[0], result[0]["summary"]
+    assert summary["peak_bytes"] <= plan["memory_budget_bytes"]
+    error = abs(summary["peak_bytes"] - plan["predicted_peak_bytes"]) / summary["peak_bytes"]
+    assert error <= PEAK_TOL, f"measured {summary['peak_bytes']} vs predicted {plan['predicted_peak_bytes']}"
+    return plan
+
+
+def test_mlp_matches_ddp_for_replicate_zero3_and_mixed_plans(train) -> None:
+    ddp = train("ddp", "--model", "mlp", "--strategy", "ddp")
+    for uniform in ("replicate", "zero3"):
+        osdp = train(uniform, "--model", "mlp", "--uniform", uniform)
+        assert_same_losses(ddp, osdp)
+        plan = assert_plan_and_memory(osdp)
+        assert {u["choice"] for u in plan["units"]} == {uniform}
+    budget = budget_forcing_a_mix("mlp")
+    mixed = train("mixed", "--model", "mlp", "--budget", str(budget), "--split-factors", "")
+    assert_same_losses(ddp, mixed)
+    plan = assert_plan_and_memory(mixed)
+    assert len({u["choice"] for u in plan["units"]}) >= 2, plan["units"]
+
+
+def test_torch_transformer_matches_ddp_under_zero3(train) -> None:
+    ddp = train("ddp", "--model", "transformer", "--strategy", "ddp")
+    osdp = train("zero3", "--model", "transformer", "--uniform", "zero3")
+    assert_same_losses(ddp, osdp)
+    assert_plan_and_memory(osdp)
+
+
+def test_tied_language_model_matches_ddp_with_a_solved_mix(train) -> None:
+    ddp = train("ddp", "--model", "tied_lm", "--strategy", "ddp")
+    budget = budget_forcing_a_mix("tied_lm")
+    osdp = train("mixed", "--model", "tied_lm", "--budget", str(budget), "--split-factors", "")
+    assert_same_losses(ddp, osdp)
+    plan = assert_plan_and_memory(osdp)
+    tied = [u for u in plan["units"] if u["name"] == "embed+head"]
+    assert tied and tied[0]["module_names"] == ["embed", "head"]
+
+
+def test_bf16_mixed_precision_matches_ddp(train) -> None:
+    ddp = train("ddp", "--model", "mlp", "--strategy", "ddp", "--precision", "bf16-mixed")
+    osdp = train("zero3", "--model", "mlp", "--uniform", "zero3", "--precision", "bf16-mixed")
+    assert_same_losses(ddp, osdp)
+
+
+def test_auto_micro_batch_size_is_set_on_the_module_before_dataloaders(train) -> None:
+    result = train("auto", "--model", "mlp", "--micro-batch", "auto", "--split-factors", "")
+    plan = result[0]["plan"]
+    # all-replicate fits a huge default budget: the largest candidate (8 x 8) has the best throughput
+    assert plan["micro_batch_size"] == 64
+    assert all(r["summary"]["micro_batch_size"] == 64 for r in result)

@@ -1,0 +1,259 @@
+"""Stage 3 (solve.py): the ILP against brute force, the knapsack baseline and its own limits."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import random
+
+import pytest
+
+from osdp_lightning.cost import ChoiceCost, ChoiceTable, UnitCosts
+from osdp_lightning.solve import (
+    INFEASIBLE,
+    NOT_SOLVED,
+    OPTIMAL,
+    TIME_LIMIT,
+    knapsack_dp,
+    peak_bytes,
+    smallest_feasible_budget,
+    solve_choice_table,
+    step_seconds,
+)
+
+SEEDS = range(60)
+REL_TOL = 1e-8
+
+
+def make_table(units: list[list[tuple]], overlaps: list[float] | None = None, activation: int = 0,
+               fixed: int = 0) -> ChoiceTable:
+    """``units[u]`` lists ``(name, state, held, transient, compute_s, comm_s)`` per choice."""
+    overlaps = overlaps or [0.0] * len(units)
+    return ChoiceTable(
+        units=tuple(UnitCosts(f"u{u}", tuple(ChoiceCost(*c) for c in choices), overlap)
+                    for u, (choices, overlap) in enumerate(zip(units, overlaps, strict=True))),
+        activation_bytes=activation, fixed_bytes=fixed, micro_batch_size=1)
+
+
+def random_table(seed: int) -> ChoiceTable:
+    """Up to 8 units x 3 choices; bytes from a few hundred to TB (exactness must hold at scale)."""
+    rng = random.Random(seed)
+    factor = rng.choice((1, 1, 1_000_003, 2**30 + 7))
+
+    def choice(name: str) -> tuple:
+        held = rng.randint(0, 500 * factor) if rng.random() < 0.5 else 0
+        return (name, rng.randint(0, 1000 * factor), held, rng.randint(0, 1500 * factor),
+                rng.uniform(0.0, 1.0), rng.uniform(0.0, 1.0))
+
+    units = []
+    for _ in range(rng.randint(1, 8)):
+        choices = [choice(f"c{i}") for i in range(rng.randint(1, 3))]
+        if len(choices) < 3 and rng.random() < 0.2:
+            choices.append((f"dup{len(choices)}", *choices[0][1:]))  # an exact tie under another name
+        units.append(choices)
+    overlaps = [rng.uniform(0.0, 0.6) for _ in units]  # hides some, not all, of the collectives
+    return make_table(units, overlaps, rng.randint(0, 1000 * factor), rng.randint(0, 1000 * factor))
+
+
+def evaluate(table: ChoiceTable, combo: tuple[ChoiceCost, ...], pair_term: bool = True,
+             overlap: bool = True) -> tuple[int, float]:
+    """Independent oracle: peak bytes and step seconds, straight from the formulas."""
+    transients = [c.transient_bytes for c in combo]
+    pairs = [a + b for a, b in zip(transients, transients[1:], strict=False)] if pair_term else []
+    peak = (sum(c.state_bytes + c.held_bytes for c in combo) + max(transients + pairs)
+            + table.activation_bytes + table.fixed_bytes)
+    step = sum(c.compute_s + max(0.0, c.comm_s - (u.overlap_s if overlap else 0.0))
+               for u, c in zip(table.units, combo, strict=True))
+    return peak, step
+
+
+@functools.cache
+def brute_force(seed: int) -> tuple[ChoiceTable, list[tuple[int, float, tuple[ChoiceCost, ...]]]]:
+    table = random_table(seed)
+    combos = itertools.product(*(unit.choices for unit in table.units))
+    return table, [(*evaluate(table, combo), combo) for combo in combos]
+
+
+def budgets_for(seed: int) -> list[int]:
+    """Infeasible, exactly tight, in between and loose budgets for one random instance."""
+    _, results = brute_force(seed)
+    lowest, highest = min(r[0] for r in results), max(r[0] for r in results)
+    rng = random.Random(1000 + seed)
+    return [lowest - 1 - rng.randint(0, lowest // 4), lowest - 1, lowest,
+            rng.randint(lowest, highest), highest + 1]
+
+
+def best_step(results: list, budget: int) -> float | None:
+    fitting = [step for peak, step, _ in results if peak <= budget]
+    return min(fitting) if fitting else None
+
+
+def test_peak_and_step_by_hand() -> None:
+    table = make_table([[("a", 100, 10, 50, 1.0, 0.5)], [("a", 200, 0, 70, 2.0, 0.1)],
+                        [("a", 300, 0, 10, 3.0, 2.0)]], overlaps=[0.2, 0.3, 1.5], activation=7, fixed=3)
+    # persistent 610 + activations 7 + fixed 3 + prefetch pair (50 + 70) = 740
+    assert peak_bytes(table, ["a", "a", "a"]) == 740
+    # compute 6.0 + exposed comm max(0, 0.3) + max(0, -0.2) + max(0, 0.5) = 6.8
+    assert step_seconds(table, ["a", "a", "a"]) == pytest.approx(6.8)
+    single = make_table([[("a", 5, 0, 11, 1.0, 0.0)]])
+    assert peak_bytes(single, ["a"]) == 16  # one unit: its own transient
+    with pytest.raises(ValueError):
+        peak_bytes(table, ["a", "a"])
+    with pytest.raises(KeyError):
+        step_seconds(table, ["a", "a", "nope"])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_ilp_matches_brute_force(seed: int) -> None:
+    table, results = brute_force(seed)
+    lowest = min(r[0] for r in results)
+    assert smallest_feasible_budget(table) == lowest
+    for budget in budgets_for(seed):
+        solution = solve_choice_table(table, budget)
+        expected = best_step(results, budget)
+        if expected is None:
+            assert solution.status == INFEASIBLE and solution.choices == () and not solution.feasible
+            continue
+        assert solution.status == OPTIMAL and solution.feasible and solution.gap == 0.0
+        assert solution.peak_bytes == peak_bytes(table, solution.choices) <= budget
+        assert solution.step_s == pytest.approx(expected, rel=REL_TOL)
+        assert solution.step_s == pytest.approx(step_seconds(table, solution.choices), rel=1e-12)
+    assert solve_choice_table(table, lowest).feasible
+    assert solve_choice_table(table, lowest - 1).status == INFEASIBLE
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_knapsack_dp_never_beats_the_ilp(seed: int) -> None:
+    table, results = brute_force(seed)
+    lowest = min(r[0] for r in results)
+    resolution = max(1, lowest // 5000) * random.Random(seed).choice((1, 7, 64))
+    for budget in budgets_for(seed):
+        dp = knapsack_dp(table, budget, resolution_bytes=resolution)
+        expected = best_step(results, budget)
+        if not dp.feasible:
+            continue
+        assert expected is not None, "the DP found a plan where none fits"
+        assert dp.peak_bytes == peak_bytes(table, dp.choices) <= budget
+        assert dp.step_s >= expected * (1 - REL_TOL)
+        assert dp.step_s >= solve_choice_table(table, budget).step_s * (1 - REL_TOL)
+
+
+def test_random_instances_exercise_pair_term_and_overlap() -> None:
+    """Without these counts the brute-force comparison could pass on instances that never bind."""
+    pair_binds = overlap_binds = 0
+    for seed in SEEDS:
+        table, results = brute_force(seed)
+        for budget in budgets_for(seed)[2:4]:
+            expected = best_step(results, budget)
+            # the plan a model without the prefetch pair would pick: does it really fit?
+            no_pair = min((evaluate(table, r[2], pair_term=False)[0] <= budget, -r[1], r[0]) for r in results)
+            pair_binds += no_pair[0] and -no_pair[1] < expected * (1 - REL_TOL)
+            # the plan picked ignoring overlap: is it slower than the optimum once overlap counts?
+            no_overlap = min((evaluate(table, r[2], overlap=False)[1], r[1]) for r in results
+                             if r[0] <= budget)
+            overlap_binds += no_overlap[1] > expected * (1 + REL_TOL)
+    assert pair_binds >= 5
+    assert overlap_binds >= 5
+
+
+def test_prefetch_pair_keeps_sharded_units_apart() -> None:
+    # Sharding a unit frees 100 bytes but its gather (60) is in flight with its neighbour's.
+    rep, z3, z3_cheap = ("rep", 100, 0, 0, 1.0, 0.0), ("z3", 0, 0, 60, 2.0, 0.0), ("z3", 0, 0, 60, 1.5, 0.0)
+    table = make_table([[rep, z3], [rep, z3_cheap], [rep, z3]])
+    # Ignoring the pair, sharding units 0 and 1 (or 1 and 2) would take 4.5 s at "160" bytes;
+    # really they peak at 100 + 60 + 60 = 220 > 180, so units 0 and 2 must be the ones sharded.
+    solution = solve_choice_table(table, 180)
+    assert solution.choices == ("z3", "rep", "z3")
+    assert solution.peak_bytes == 160
+    assert solution.step_s == pytest.approx(5.0)
+
+
+def test_ilp_strictly_better_than_dp_on_pair_term() -> None:
+    # Both units fast and replicated peak at 200 + 10 + 10 = 220. The DP cannot see which two
+    # transients meet, so it reserves the worst pair (100 + 100) and has to shard both.
+    fast, sharded = ("fast", 100, 0, 10, 1.0, 0.0), ("sharded", 10, 0, 100, 2.0, 0.0)
+    table = make_table([[fast, sharded], [fast, sharded]])
+    ilp, dp = solve_choice_table(table, 220), knapsack_dp(table, 220, resolution_bytes=1)
+    assert ilp.choices == ("fast", "fast") and ilp.step_s == pytest.approx(2.0)
+    assert dp.choices == ("sharded", "sharded") and dp.step_s == pytest.approx(4.0)
+
+
+def test_ilp_strictly_better_than_dp_on_rounding() -> None:
+    # 1 MiB + 1 byte rounds up to 2 MiB per unit in the DP: the exact budget no longer fits.
+    fast, slow = ("fast", 2**20 + 1, 0, 0, 1.0, 0.0), ("slow", 0, 0, 0, 3.0, 0.0)
+    table = make_table([[fast, slow], [fast, slow]])
+    budget = 2 * (2**20 + 1)
+    ilp, dp = solve_choice_table(table, budget), knapsack_dp(table, budget)
+    assert ilp.choices == ("fast", "fast") and ilp.peak_bytes == budget
+    assert dp.feasible and dp.step_s == pytest.approx(4.0) and ilp.step_s == pytest.approx(2.0)
+
+
+def test_infeasible_budget_does_not_raise() -> None:
+    table = make_table([[("a", 100, 0, 10, 1.0, 0.0), ("b", 50, 0, 30, 2.0, 0.0)]], activation=5)
+    assert smallest_feasible_budget(table) == 85
+    solution = solve_choice_table(table, 84)
+    assert solution.status == INFEASIBLE and solution.choices == () and not solution.feasible
+    assert math.isinf(solution.step_s)
+    assert knapsack_dp(table, 84, resolution_bytes=1).status == INFEASIBLE
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        solution.status = OPTIMAL  # type: ignore[misc]
+
+
+def hard_table(units: int = 300, choices: int = 4, seed: int = 0) -> ChoiceTable:
+    """Strongly correlated multiple-choice knapsack: memory saved costs almost exactly its time."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(units):
+        sizes = [rng.randint(10**6, 10**7) for _ in range(choices)]
+        rows.append([(f"c{i}", w, 0, 0, 1e-7 * (10**7 - w) + rng.uniform(0, 1e-3), 0.0)
+                     for i, w in enumerate(sizes)])
+    return make_table(rows)
+
+
+def test_time_limit_reports_status_and_gap() -> None:
+    table = hard_table()
+    budget = sum(sum(c.state_bytes for c in u.choices) // len(u.choices) for u in table.units)
+    solution = solve_choice_table(table, budget, time_limit_s=0.3)  # proving optimality takes ~20 s
+    assert solution.status in (TIME_LIMIT, NOT_SOLVED)
+    assert solution.solve_s < 10
+    if solution.status == TIME_LIMIT:
+        assert solution.feasible and solution.peak_bytes <= budget
+        assert solution.gap is not None and 0.0 <= solution.gap < 0.01
+    else:
+        assert solution.choices == () and not solution.feasible
+
+
+def realistic_table(units: int, seed: int = 0) -> ChoiceTable:
+    """Transformer-like Linear units (4h^2-ish parameters), replicate/zero2/zero3 on 8 ranks."""
+    rng = random.Random(seed)
+    rows, overlaps = [], []
+    for u in range(units):
+        params = (3, 1, 4, 4)[u % 4] * 1536**2
+        compute = 6 * params * 8192 / 1e14 * rng.uniform(0.9, 1.1)
+        comm = params * 4 / 50e9
+        rows.append([("replicate", 16 * params, 0, 4 * params, compute, 1.75 * comm + 3e-5),
+                     ("zero2", 2 * params, 4 * params, 4 * params, compute, 1.75 * comm + 6e-5),
+                     ("zero3", 2 * params, 0, 8 * params, compute, 2.6 * comm + 9e-5)])
+        overlaps.append(0.5 * compute * rng.uniform(0.5, 1.5))
+    return make_table(rows, overlaps, activation=units * 50 * 2**20, fixed=2**30)
+
+
+def test_thousand_units_solve_fast() -> None:
+    table = realistic_table(1000)
+    lowest = smallest_feasible_budget(table)
+    widest = peak_bytes(table, ["replicate"] * 1000)
+    budget = lowest + (widest - lowest) // 5
+    solution = solve_choice_table(table, budget)
+    assert solution.status == OPTIMAL and solution.peak_bytes <= budget
+    assert solution.solve_s < 5.0  # target on 2 CPU cores; about 0.5 s measured
+    assert len(set(solution.choices)) > 1  # the budget really forces a mix
+    dp = knapsack_dp(table, budget)
+    assert dp.feasible and solution.step_s <= dp.step_s * (1 + 1e-12)
+
+
+def test_msg_prints_the_cbc_log(capsys: pytest.CaptureFixture[str]) -> None:
+    table = make_table([[("a", 1, 0, 0, 1.0, 0.0)]])
+    assert solve_choice_table(table, 1, msg=True).status == OPTIMAL
+    assert "Cbc" in capsys.readouterr().out
