@@ -88,7 +88,7 @@ def format_table(rows: list[dict[str, object]]) -> str:
              "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         gain = ("DP finds no plan" if r["dp_step_s"] == float("inf")
-                else f"{100 * (r['dp_step_s'] - r['ilp_step_s']) / r['dp_step_s']:.2f} %")
+                else f"{100 * (r['dp_step_s'] - r['ilp_step_s']) / r['dp_step_s']:.3f} %")
         lines.append(f"| {r['units']} | {r['choices']} | {r['budget_gib']:.2f} (+{r['fraction']:.0%}) "
                      f"| {r['ilp_s']:.3f} (x{r['repeats']}) | {r['smallest_s']:.3f} | {r['status']} "
                      f"| {r['ilp_step_s']:.4f} | {r['dp_step_s']:.4f} | {r['dp_s']:.2f} | {gain} |")

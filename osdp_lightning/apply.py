@@ -36,7 +36,8 @@ class Meshes:
     shard: DeviceMesh
     """1-D mesh over all ranks: zero2/zero3 shard parameters across it."""
     replicate: DeviceMesh
-    """2-D (W, 1) mesh: FSDP2 on it keeps whole parameters and all-reduces gradients (DDP)."""
+    """2-D (W, 1) mesh: FSDP2 on it keeps whole parameters and all-reduces gradients (DDP).
+    Resharding after forward there frees the local unsharded copy (no collective: one rank)."""
     groups: dict[int, DeviceMesh] = field(default_factory=dict)
     """2-D (W/g, g) meshes by group size g, for ``hsdp(g=G)``: a row is g consecutive ranks (one
     node when g is the ranks per node), sharded inside the row and replicated across rows."""
@@ -73,7 +74,7 @@ def with_group_meshes(meshes: Meshes, plan: Plan) -> Meshes:
 def shard_kwargs(choice: str, meshes: Meshes) -> dict:
     """``fully_shard`` keyword arguments of a base choice (design.md section 3)."""
     if choice == REPLICATE:
-        return {"mesh": meshes.replicate, "reshard_after_forward": False}
+        return {"mesh": meshes.replicate, "reshard_after_forward": True}
     if choice == ZERO2:
         return {"mesh": meshes.shard, "reshard_after_forward": False}
     if choice == ZERO3:

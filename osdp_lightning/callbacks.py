@@ -68,7 +68,7 @@ class TrainingSummary(Callback):
         if self._tracker is not None and self._tracked_index == len(self._step_starts) - 1:
             self._peak_bytes = _stop_tracking(self._tracker, trainer)
             self._tracker = None
-            self._step_starts.append(time.perf_counter())  # the tracked step is not timed
+            # NOTE: NaN replaces the next start, so neither the tracked step nor the gap after it is timed.
             self._step_starts.append(float("nan"))
 
     @override

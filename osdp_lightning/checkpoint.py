@@ -12,7 +12,7 @@ Saves are atomic: every rank writes into a hidden sibling ``.<name>.osdp-partial
 all ranks finished, rank 0 adds the metadata and renames it into place. A save that dies half-way
 leaves the previous checkpoint untouched and a partial directory that :func:`check_checkpoint`
 recognises and refuses. Split layers (``SplitLinear``) appear as the ``nn.Linear`` they replace,
-in the model state (their own hooks) and in the optimizer state (:func:`canonical_optimizer_state`).
+in the model state (their own hooks) and in the optimizer state (``osdp_lightning/canonical.py``).
 """
 
 from __future__ import annotations
@@ -27,20 +27,37 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
 
+from osdp_lightning.canonical import (
+    canonical_optimizer_state,
+    fill_like,
+    keyed_by_name,
+    model_state,
+    optimizer_state,
+    split_optimizer_state,
+)
+from osdp_lightning.faults import (
+    all_gather_object,
+    broadcast_object,
+    raise_if_any_rank_failed,
+    rank,
+    world_size,
+)
 from osdp_lightning.resume import collect_rng_state, restore_own_rng_state
-from osdp_lightning.split import SplitLinear, merge_slice_weights, split_canonical_weight
+
+__all__ = [
+    "IncompleteCheckpointError", "check_checkpoint", "consolidate_checkpoint", "find_latest_checkpoint",
+    "is_complete_checkpoint", "load_checkpoint", "load_full_model_state", "load_full_optimizer_state",
+    "load_model_weights", "model_state", "optimizer_state", "save_checkpoint",
+]
 
 META_NAME = "meta.pt"  # Lightning's name (lightning.fabric.strategies.fsdp._METADATA_FILENAME)
 MARKER_NAME = "osdp_checkpoint.json"
@@ -54,148 +71,11 @@ class IncompleteCheckpointError(RuntimeError):
     """The checkpoint was not completely written (a save was interrupted) or is damaged."""
 
 
-# -- collectives that also work without a process group ----------------------------------------
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _broadcast(obj: Any) -> Any:
-    if _world() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    if _world() == 1:
-        return [obj]
-    out: list[Any] = [None] * _world()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _raise_if_any_failed(error: BaseException | None, stage: str) -> None:
-    """Every rank raises when one failed (instead of the others waiting in the next collective)."""
-    failures = [(r, msg) for r, msg in enumerate(_all_gather(None if error is None else repr(error))) if msg]
-    if error is not None:
-        raise error
-    if failures:
-        rank, message = failures[0]
-        raise RuntimeError(f"rank {rank} failed while {stage}: {message}")
-
-
-# -- canonical state ----------------------------------------------------------------------------
-def _split_layers(module: nn.Module) -> dict[str, SplitLinear]:
-    return {f"{name}." if name else "": m for name, m in module.named_modules() if isinstance(m, SplitLinear)}
-
-
-def model_state(module: nn.Module, full: bool) -> dict[str, Any]:
-    """Canonical model state: DTensor shards, or (``full``) whole CPU tensors on rank 0 only."""
-    state = get_model_state_dict(module)
-    return _to_full(state) if full else state
-
-
-def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, full: bool) -> dict[str, Any]:
-    """Canonical optimizer state (keyed by the unwrapped model's parameter names)."""
-    state = canonical_optimizer_state(module, get_optimizer_state_dict(module, optimizer))
-    return _to_full(state) if full else state
-
-
-def canonical_optimizer_state(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """Merge a ``SplitLinear``'s per-slice optimizer state into its canonical ``weight`` entry."""
-    per_param, groups = dict(state["state"]), [dict(g) for g in state["param_groups"]]
-    for prefix, layer in _split_layers(module).items():
-        keys = layer.slice_keys(prefix)
-        if all(k in per_param for k in keys):
-            slices = [per_param.pop(k) for k in keys]
-            per_param[prefix + "weight"] = {
-                field: merge_slice_weights([s[field] for s in slices]) if _is_matrix(value) else value
-                for field, value in slices[0].items()}
-        for group in groups:
-            names = list(group["params"])
-            if keys[0] in names:
-                at = names.index(keys[0])
-                names = [n for n in names if n not in keys]
-                names.insert(at, prefix + "weight")
-                group["params"] = names
-    return {"state": per_param, "param_groups": groups}
-
-
-def _split_optimizer_state(module: nn.Module, canonical: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
-    """Inverse of :func:`canonical_optimizer_state` for this module's current layout.
-
-    ``current`` is the optimizer's own (non-canonical) state: it gives each slice's layout, and its
-    ``params`` lists win (group membership is the running optimizer's, hyperparameters the loaded).
-    """
-    per_param = dict(canonical["state"])
-    for prefix, layer in _split_layers(module).items():
-        entry = per_param.pop(prefix + "weight", None)
-        keys = layer.slice_keys(prefix)
-        if entry is None or not all(k in current["state"] for k in keys):
-            continue
-        for field, value in entry.items():
-            if _is_matrix(value):
-                pieces = split_canonical_weight(value, [current["state"][k][field] for k in keys])
-            else:
-                pieces = [value.clone() if isinstance(value, torch.Tensor) else value for _ in keys]
-            for key, piece in zip(keys, pieces, strict=True):
-                per_param.setdefault(key, {})[field] = piece
-    groups = [{**loaded, "params": mine["params"]}
-              for loaded, mine in zip(canonical["param_groups"], current["param_groups"], strict=True)]
-    return {"state": per_param, "param_groups": groups}
-
-
-def _is_matrix(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.ndim == 2
-
-
-def _to_full(obj: Any) -> Any:
-    """Gather DTensors (a collective, same order on every rank); whole CPU copies kept on rank 0."""
-    keep = _rank() == 0
-    if isinstance(obj, dict):
-        out = {k: _to_full(v) for k, v in obj.items()}
-        return out if keep else {}
-    if isinstance(obj, list):
-        out_list = [_to_full(v) for v in obj]
-        return out_list if keep else []
-    if isinstance(obj, DTensor):
-        whole = obj.full_tensor()
-        return whole.cpu() if keep else None
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu() if keep else None
-    return obj
-
-
-def _fill(template: Any, source: Any, where: str, strict: bool) -> Any:
-    """``source`` (whole tensors) laid out like ``template`` (DTensor shards), without communication."""
-    if isinstance(template, dict):
-        if not isinstance(source, dict):
-            raise ValueError(f"checkpoint entry {where!r} is a {type(source).__name__}, expected a mapping")
-        missing = [k for k in template if k not in source]
-        unexpected = [k for k in source if k not in template]
-        if (missing or unexpected) and strict:
-            raise KeyError(f"{where} does not match the model: missing {[f'{where}.{k}' for k in missing[:5]]}, "
-                           f"unexpected {[f'{where}.{k}' for k in unexpected[:5]]}; set "
-                           "`strict_loading = False` on the LightningModule to load it partially")
-        return {k: _fill(v, source[k], f"{where}.{k}", strict) if k in source else v for k, v in template.items()}
-    if isinstance(template, DTensor):
-        whole = source.to(dtype=template.dtype)
-        return distribute_tensor(whole, template.device_mesh, template.placements, src_data_rank=None)
-    if isinstance(template, torch.Tensor) and isinstance(source, torch.Tensor):
-        return source.to(dtype=template.dtype, device=template.device)
-    return source
-
-
 # -- saving -------------------------------------------------------------------------------------
 def save_checkpoint(checkpoint: dict[str, Any], path: Path, sharded: bool, info: dict[str, Any]) -> None:
     """Write ``checkpoint`` (Lightning's dict, canonical tensors) atomically to ``path``; every rank calls it."""
-    checkpoint["osdp"] = {**info, "rng_states": _all_gather(collect_rng_state())}
-    token = _broadcast(f"{os.getpid()}-{time.time_ns()}")
+    checkpoint["osdp"] = {**info, "rng_states": all_gather_object(collect_rng_state())}
+    token = broadcast_object(f"{os.getpid()}-{time.time_ns()}")
     partial = path.parent / f".{path.name}{_PARTIAL}{token}"
     error: BaseException | None = None
     if sharded:
@@ -204,11 +84,11 @@ def save_checkpoint(checkpoint: dict[str, Any], path: Path, sharded: bool, info:
         tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         dcp.save(tensors, checkpoint_id=partial)  # raises on every rank when one rank's write failed
         del tensors
-    if _rank() == 0:
+    if rank() == 0:
         try:
             marker = {"format_version": FORMAT_VERSION, "layout": "sharded" if sharded else "consolidated",
                       "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
-                      "world_size": _world(), **info}
+                      "world_size": world_size(), **info}
             if sharded:
                 _write_durably(partial / META_NAME, lambda f: torch.save(checkpoint, f))
                 _write_durably(partial / MARKER_NAME, lambda f: f.write(json.dumps(marker, indent=1).encode()))
@@ -218,7 +98,7 @@ def save_checkpoint(checkpoint: dict[str, Any], path: Path, sharded: bool, info:
             _move_into_place(partial, path, token)
         except BaseException as err:  # noqa: BLE001  (re-raised on every rank below)
             error = err
-    _raise_if_any_failed(error, f"saving checkpoint {path}")
+    raise_if_any_rank_failed(error, f"saving checkpoint {path}")
 
 
 def _write_durably(path: Path, write: Any) -> None:
@@ -258,32 +138,41 @@ def _fsync_dir(path: Path) -> None:
 
 # -- checking -----------------------------------------------------------------------------------
 def check_checkpoint(path: str | Path) -> str:
-    """``"sharded"`` or ``"consolidated"``; raises :class:`IncompleteCheckpointError` with what is wrong."""
+    """``"sharded"`` or ``"consolidated"``; raises :class:`IncompleteCheckpointError` saying what is wrong
+    and which complete checkpoint lies next to it (``FileNotFoundError`` when there is nothing)."""
     path = Path(path)
+    layout, problem = _diagnose(path)
+    if problem is None:
+        return layout
+    if layout == "missing":
+        raise FileNotFoundError(problem)
+    latest = find_latest_checkpoint(path.parent)
+    hint = (f"The last complete checkpoint next to it is {latest}: resume from that one." if latest
+            else "No complete checkpoint was found next to it.")
+    raise IncompleteCheckpointError(f"{problem} {hint}")
+
+
+def _diagnose(path: Path) -> tuple[str, str | None]:
+    """The layout and, when the checkpoint cannot be loaded, why not."""
     if _PARTIAL in path.name:
         target = path.parent / path.name[1:].split(_PARTIAL)[0]
-        raise IncompleteCheckpointError(
-            f"{path} is an unfinished save (a rank stopped while writing it), not a checkpoint. "
-            f"{_latest_hint(path.parent, target)}")
+        replaced = f" The checkpoint it was to replace, {target.name}, is intact." if target.exists() else ""
+        return "partial", f"{path} is an unfinished save (a rank stopped while writing it), not a checkpoint.{replaced}"
     if not path.exists():
         backups = sorted(path.parent.glob(f".{path.name}{_OLD}*"))
         if backups:
-            raise IncompleteCheckpointError(
-                f"{path} does not exist: a save was interrupted while replacing it. The previous version is "
-                f"intact at {backups[-1]}; rename it to {path.name} to resume from it")
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+            return "swapping", (f"{path} does not exist: a save was interrupted while replacing it. The previous "
+                                f"version is intact at {backups[-1]}; rename it to {path.name} to resume from it.")
+        return "missing", f"checkpoint {path} does not exist"
     if path.is_file():
         if not zipfile.is_zipfile(path):
-            raise IncompleteCheckpointError(f"{path} is not a complete torch.save file (truncated or damaged). "
-                                            f"{_latest_hint(path.parent, path)}")
-        return "consolidated"
+            return "consolidated", f"{path} is not a complete torch.save file (truncated or damaged)."
+        return "consolidated", None
     problems = [f"{name} is missing" for name in (DCP_METADATA_NAME, META_NAME) if not (path / name).is_file()]
-    if not problems:
-        problems = _missing_shards(path)
+    problems = problems or _missing_shards(path)
     if problems:
-        raise IncompleteCheckpointError(f"{path} is incomplete ({'; '.join(problems[:4])}): the save did not "
-                                        f"finish. {_latest_hint(path.parent, path)}")
-    return "sharded"
+        return "sharded", f"{path} is incomplete ({'; '.join(problems[:4])}): the save did not finish."
+    return "sharded", None
 
 
 def _missing_shards(path: Path) -> list[str]:
@@ -298,10 +187,9 @@ def _missing_shards(path: Path) -> list[str]:
 
 def is_complete_checkpoint(path: str | Path) -> bool:
     try:
-        check_checkpoint(path)
-    except (IncompleteCheckpointError, FileNotFoundError, OSError, ValueError):
+        return _diagnose(Path(path))[1] is None
+    except (OSError, ValueError):  # unreadable DCP metadata
         return False
-    return True
 
 
 def find_latest_checkpoint(dirpath: str | Path) -> Path | None:
@@ -321,13 +209,6 @@ def _global_step(path: Path) -> int:
     return int(meta.get("global_step", 0))
 
 
-def _latest_hint(dirpath: Path, exclude: Path) -> str:
-    latest = next((p for p in [find_latest_checkpoint(dirpath)] if p is not None and p != exclude), None)
-    if latest is None:
-        return "No complete checkpoint was found next to it."
-    return f"The last complete checkpoint next to it is {latest}."
-
-
 # -- loading into a sharded model ---------------------------------------------------------------
 def load_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], strict: bool,
                     weights_only: bool | None = None) -> dict[str, Any]:
@@ -337,12 +218,12 @@ def load_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[torch.op
     (loops, schedulers, callbacks) without the tensors already loaded.
     """
     verdict = None
-    if _rank() == 0:
+    if rank() == 0:
         try:
             verdict = check_checkpoint(path)
         except (IncompleteCheckpointError, FileNotFoundError) as err:
             verdict = err
-    verdict = _broadcast(verdict)  # the same answer on every rank: none waits in a collective alone
+    verdict = broadcast_object(verdict)  # the same answer on every rank: none waits in a collective alone
     if isinstance(verdict, BaseException):
         raise verdict
     if verdict == "sharded":
@@ -353,7 +234,7 @@ def load_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[torch.op
         # NOTE: a weights-only checkpoint has no optimizer states; Lightning itself reports that.
         for optimizer, state in zip(optimizers, rest.pop("optimizer_states", []), strict=False):
             load_full_optimizer_state(module, optimizer, state, strict)
-    restore_own_rng_state(rest.get("osdp", {}), _rank(), _world())
+    restore_own_rng_state(rest.get("osdp", {}), rank(), world_size())
     return rest
 
 
@@ -364,24 +245,31 @@ def _load_sharded(path: Path, module: nn.Module, optimizers: Sequence[torch.opti
     currents = {k: v for k, v in currents.items() if any(s.startswith(k + ".") for s in saved_keys)}
     state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
     state.update({key: canonical_optimizer_state(module, current) for key, (_, current) in currents.items()})
+    for key in currents:
+        if not any(s.startswith(f"{key}.state.") for s in saved_keys):
+            state[key]["state"] = {}  # saved before its first step: it continues with no state
     dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
     module.load_state_dict(state["state_dict"], strict=strict)
     for key, (optimizer, current) in currents.items():
-        set_optimizer_state_dict(module, optimizer, _split_optimizer_state(module, state[key], current))
+        set_optimizer_state_dict(module, optimizer, split_optimizer_state(module, state[key], current))
     return torch.load(path / META_NAME, map_location="cpu", weights_only=weights_only)
 
 
 def load_full_model_state(module: nn.Module, state: dict[str, Any], strict: bool = True) -> None:
     """Load a canonical state dict of whole tensors (every rank holds it) into the sharded ``module``."""
-    module.load_state_dict(_fill(get_model_state_dict(module), state, "state_dict", strict), strict=strict)
+    module.load_state_dict(fill_like(get_model_state_dict(module), state, "state_dict", strict), strict=strict)
 
 
 def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
                               strict: bool = True) -> None:
-    """Load a canonical optimizer state of whole tensors (every rank holds it)."""
+    """Load an optimizer state of whole tensors (every rank holds it): canonical, or a plain
+    ``optimizer.state_dict()`` keyed by position (a checkpoint of another strategy)."""
     current = get_optimizer_state_dict(module, optimizer)
-    canonical = _fill(canonical_optimizer_state(module, current), state, "optimizer", strict)
-    set_optimizer_state_dict(module, optimizer, _split_optimizer_state(module, canonical, current))
+    template = canonical_optimizer_state(module, current)
+    if not state.get("state"):  # saved before its first step: it continues with no state
+        template["state"] = {}
+    canonical = fill_like(template, keyed_by_name(state, template), "optimizer", strict)
+    set_optimizer_state_dict(module, optimizer, split_optimizer_state(module, canonical, current))
 
 
 # -- without a process group: inference and conversion ------------------------------------------

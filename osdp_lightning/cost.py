@@ -9,7 +9,8 @@ Memory terms (design.md section 3), P = parameters of the unit, W = ranks that s
 
 - ``state_bytes``: persistent parameter, gradient and optimizer-state bytes (sharded or not);
 - ``held_bytes``: unsharded parameters kept from forward to backward (zero2);
-- ``transient_bytes``: unsharded parameters and gradients that exist only while the unit runs.
+- ``transient_bytes``: unsharded parameters and gradients that exist only while the unit runs;
+  ``prefetch_bytes`` of it (the gathered parameters) already exist while its neighbour runs.
 """
 
 from __future__ import annotations
@@ -139,8 +140,16 @@ class ChoiceCost:
     state_bytes: int
     held_bytes: int
     transient_bytes: int
+    """Unsharded bytes alive while this unit runs (its gathered parameters and gradients)."""
     compute_s: float
     comm_s: float
+    prefetch_bytes: int | None = None
+    """Bytes this unit already holds while a neighbour runs (FSDP2 prefetches the next all-gather,
+    not its gradients); ``None`` means the whole transient."""
+
+    @property
+    def prefetch(self) -> int:
+        return self.transient_bytes if self.prefetch_bytes is None else self.prefetch_bytes
 
 
 @dataclass(frozen=True)
@@ -203,10 +212,11 @@ def base_choice_cost(unit: UnitProfile, profile: ModelProfile, cluster: ClusterS
     gathered = (trainable + frozen) * profile.compute_bytes_per_element
     compute_s = (unit.forward_s + unit.backward_s) * batch_scale
     if choice == REPLICATE:
-        # NOTE: FSDP2 on a (W, 1) mesh keeps its unsharded parameters beside the "sharded" ones (one
-        # extra copy, measured with FSDPMemTracker); gradients reduce in place, nothing transient.
-        return ChoiceCost(choice, stored + gathered + grads + optim, 0, 0, compute_s,
-                          all_reduce_s(grads, world, cluster))
+        # NOTE: FSDP2 on a (W, 1) mesh copies the parameters into an unsharded buffer while the
+        # unit runs (resharded after forward and backward, so the copy is transient; measured with
+        # FSDPMemTracker). The copy is local: the only collective is the gradient all-reduce.
+        return ChoiceCost(choice, stored + grads + optim, 0, gathered, compute_s,
+                          all_reduce_s(grads, world, cluster), prefetch_bytes=gathered)
     sharded_state = _ceil_div(stored + grads + optim, world)
     reduce_s = reduce_scatter_s(trainable * profile.reduce_bytes_per_element, world, cluster)
     if choice == ZERO2:
@@ -214,7 +224,7 @@ def base_choice_cost(unit: UnitProfile, profile: ModelProfile, cluster: ClusterS
                           all_gather_s(gathered, world, cluster) + reduce_s)
     if choice == ZERO3:
         return ChoiceCost(choice, sharded_state, 0, gathered + grads, compute_s,
-                          2 * all_gather_s(gathered, world, cluster) + reduce_s)
+                          2 * all_gather_s(gathered, world, cluster) + reduce_s, prefetch_bytes=gathered)
     raise ValueError(f"unknown base choice {choice!r}; expected one of {BASE_CHOICES}")
 
 
@@ -400,7 +410,7 @@ def hsdp_choice_cost(unit: UnitProfile, profile: ModelProfile, cluster: ClusterS
                             crosses_nodes=cluster.num_nodes > 1)
     compute_s = (unit.forward_s + unit.backward_s) * batch_scale
     return ChoiceCost(hsdp_choice(group), _ceil_div(stored + grads + optim, group), 0, gathered + grads,
-                      compute_s, in_group_s + across_s)
+                      compute_s, in_group_s + across_s, prefetch_bytes=gathered)
 
 
 def zero3_reshard_choice_cost(unit: UnitProfile, profile: ModelProfile, cluster: ClusterSpec, group: int,
@@ -418,4 +428,4 @@ def zero3_reshard_choice_cost(unit: UnitProfile, profile: ModelProfile, cluster:
               + reduce_scatter_s(reduced, world, cluster))
     compute_s = (unit.forward_s + unit.backward_s) * batch_scale
     return ChoiceCost(zero3_reshard_choice(group), _ceil_div(stored + grads + optim, world),
-                      _ceil_div(gathered, group), gathered + grads, compute_s, comm_s)
+                      _ceil_div(gathered, group), gathered + grads, compute_s, comm_s, prefetch_bytes=gathered)

@@ -32,7 +32,8 @@ class ResumableDataLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self._batches_served = 0
         self._skip = 0
-        self._generator_state: torch.Tensor | None = None
+        self._pass_start_generator: torch.Tensor | None = None
+        self._resume_generator: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[Any]:
         return self._resumable_iter()
@@ -40,33 +41,36 @@ class ResumableDataLoader(DataLoader):
     def _resumable_iter(self) -> Iterator[Any]:
         skip, self._skip = self._skip, 0
         if self.generator is not None:
-            if skip and self._generator_state is not None:
-                self.generator.set_state(self._generator_state)  # the base seed the interrupted pass drew
-            self._generator_state = self.generator.get_state()
+            if self._resume_generator is not None:
+                # the state the interrupted pass started from (or, after a finished pass, the next one's)
+                self.generator.set_state(self._resume_generator)
+                self._resume_generator = None
+            self._pass_start_generator = self.generator.get_state()
         iterator = super().__iter__()
-        if skip and self._has_len():
-            skip %= max(len(self), 1)  # a checkpoint on the last batch resumes at the next epoch
         self._batches_served = 0
         for _ in range(skip):
-            next(iterator)
+            next(iterator)  # drawn and dropped: sampler order and worker seeds stay as uninterrupted
             self._batches_served += 1
         for batch in iterator:
             self._batches_served += 1
             yield batch
 
-    def _has_len(self) -> bool:
+    def _finished_pass(self, served: int) -> bool:
         try:
-            len(self)
-        except TypeError:
+            return served >= len(self) > 0
+        except TypeError:  # no length: a pass ends only when the data does
             return False
-        return True
 
     def state_dict(self) -> dict[str, Any]:
-        return {"batches_served": self._batches_served, "generator_state": self._generator_state}
+        return {"batches_served": self._batches_served, "pass_start_generator": self._pass_start_generator,
+                "generator_now": self.generator.get_state() if self.generator is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._skip = int(state.get("batches_served", 0))
-        self._generator_state = state.get("generator_state")
+        served = int(state.get("batches_served", 0))
+        if self._finished_pass(served):  # saved on the last batch: the next pass starts afresh
+            self._skip, self._resume_generator = 0, state.get("generator_now")
+        else:
+            self._skip, self._resume_generator = served, state.get("pass_start_generator")
 
 
 def collect_rng_state() -> dict[str, Any]:

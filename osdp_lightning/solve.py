@@ -3,18 +3,21 @@
 The integer program, for one :class:`~osdp_lightning.cost.ChoiceTable` (all bytes per rank):
 
 - ``x[u,c]`` binary, ``sum_c x[u,c] = 1`` for every unit ``u``;
-- ``T >= tr[u] + tr[u+1]`` for every consecutive pair in execution order (``tr[u] = sum_c
-  transient[u,c] x[u,c]``): FSDP2 prefetches the next unit's all-gather, so two transients coexist;
+- ``T >= tr[u] + pf[u+1]`` and ``T >= pf[u] + tr[u+1]`` for every consecutive pair in execution
+  order (``tr[u] = sum_c transient[u,c] x[u,c]``, ``pf`` likewise with ``prefetch``): FSDP2
+  prefetches a neighbour's all-gather while a unit runs, in forward and in backward;
 - memory: ``sum(state + held) x + T + activation_bytes + fixed_bytes <= budget``;
 - minimise ``sum(compute) x + sum_u e[u]`` with ``e[u] = max(0, comm[u,c] - overlap[u])`` of the
   chosen ``c``. Because exactly one ``x[u,c]`` is 1, that max is the linear term
   ``sum_c max(0, comm[u,c] - overlap[u]) x[u,c]``: the ``e >= ...`` rows are folded into the
   objective, which is exact and gives CBC a tighter relaxation than separate ``e`` variables.
 
-Bytes enter CBC divided by a power of ten so that a whole model's bytes stay below 1e7: one byte
-(>= 1e-6 up to 10 TB) is then well above CBC's 1e-7 tolerances, and an integer of at most 13 digits
-over a power of ten survives PuLP's 13-digit MPS file exactly (a power of two would not). Every
-answer is re-evaluated in integer bytes by :func:`peak_bytes`.
+Exact to the byte although CBC works in floating point: bytes enter it divided by a power of ten
+(which, unlike a power of two, survives PuLP's 13-digit MPS file exactly) to keep a model's bytes
+below 1e7; CBC sees the budget plus a slack of 1e-9 of the peak, above its own tolerance, so it
+never rejects a plan that fits and its "Infeasible" is proof; every plan it returns is re-evaluated
+in integer bytes by :func:`peak_bytes`, and one over the real budget is cut off (with every plan at
+least as heavy in every unit) before CBC runs again.
 """
 
 from __future__ import annotations
@@ -27,7 +30,11 @@ import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import pulp
+try:
+    import pulp
+except ImportError as _err:  # say how to get it rather than a bare ModuleNotFoundError
+    raise ImportError("osdp_lightning solves its plans with PuLP, which is not installed: run "
+                      "`pip install pulp` (it bundles the CBC solver)") from _err
 
 from osdp_lightning.cost import ChoiceCost, ChoiceTable, UnitCosts
 
@@ -40,8 +47,9 @@ NOT_SOLVED = "Not Solved"
 FEASIBLE = "Feasible"
 """Fits, but optimality is not proven (see :attr:`Solution.gap`)."""
 _MAX_SCALED = 1e7
-_SLACK_RELATIVE = 1e-6
-_MAX_NO_GOODS = 20
+_SLACK_RELATIVE = 1e-9
+_MAX_CUTS = 20
+_TIGHTEN_TRIES = 8
 _MAX_DP_CELLS = 5 * 10**8
 
 
@@ -74,10 +82,13 @@ def _chosen(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> list[Ch
     return [unit.cost_of(choice) for unit, choice in zip(table.units, choices, strict=True)]
 
 
-def _transient_peak(transients: list[int]) -> int:
-    """Largest transient bytes alive at once: one unit, or a unit and its prefetched successor."""
+def _transient_peak(transients: list[int], prefetches: list[int] | None = None) -> int:
+    """Largest transient bytes alive at once: one running unit, plus what its neighbour in
+    execution order already holds (FSDP2 prefetches the next all-gather, forward and backward)."""
+    prefetches = transients if prefetches is None else prefetches
     singles = max(transients, default=0)
-    pairs = max((a + b for a, b in zip(transients, transients[1:], strict=False)), default=0)
+    pairs = max((max(transients[u] + prefetches[u + 1], prefetches[u] + transients[u + 1])
+                 for u in range(len(transients) - 1)), default=0)
     return max(singles, pairs)
 
 
@@ -85,7 +96,7 @@ def peak_bytes(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> int:
     """Exact per-rank peak of an assignment under the model the ILP uses."""
     costs = _chosen(table, choices)
     persistent = sum(cost.state_bytes + cost.held_bytes for cost in costs)
-    transient = _transient_peak([cost.transient_bytes for cost in costs])
+    transient = _transient_peak([cost.transient_bytes for cost in costs], [cost.prefetch for cost in costs])
     return persistent + transient + table.activation_bytes + table.fixed_bytes
 
 
@@ -101,19 +112,19 @@ def step_seconds(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> fl
 
 
 def _memory_scale(table: ChoiceTable) -> int:
-    """Power of ten that brings a whole model's bytes to at most ``_MAX_SCALED`` (see docstring)."""
+    """Power of ten that brings a whole model's bytes to at most ``_MAX_SCALED``."""
     total = sum(max(c.state_bytes + c.held_bytes + 2 * c.transient_bytes for c in u.choices)
                 for u in table.units)
     return 10 ** max(0, math.ceil(math.log10(max(total, 1) / _MAX_SCALED)))
 
 
 def _candidates(unit: UnitCosts) -> list[ChoiceCost]:
-    """Choices not dominated in (persistent bytes, transient bytes, seconds) by another one.
+    """Choices not dominated in (persistent, transient, prefetch bytes, seconds) by another one.
 
     Dropping them keeps the optimum exact: swapping a dominated choice for its dominator never
     raises the peak or the step time. Ties keep the first listed choice.
     """
-    keys = [(c.state_bytes + c.held_bytes, c.transient_bytes, _choice_step_s(unit, c))
+    keys = [(c.state_bytes + c.held_bytes, c.transient_bytes, c.prefetch, _choice_step_s(unit, c))
             for c in unit.choices]
     kept = []
     for i, key in enumerate(keys):
@@ -145,16 +156,20 @@ def _new_variable(problem: pulp.LpProblem, name: str, category: str) -> pulp.LpV
     return pulp.LpVariable(name, lowBound=0, cat=category)
 
 
+def _check_table(table: ChoiceTable) -> None:
+    if not table.units or any(not unit.choices for unit in table.units):
+        raise ValueError("the choice table needs at least one unit, and every unit at least one choice")
+
+
 def _build_model(table: ChoiceTable) -> _Model:
     """Variables, one-choice rows and prefetch-pair rows; objective and budget are set later."""
-    if any(not unit.choices for unit in table.units):
-        raise ValueError("every unit needs at least one choice")
+    _check_table(table)
     scale = _memory_scale(table)
     problem = pulp.LpProblem("osdp", pulp.LpMinimize)
     peak_t = _new_variable(problem, "T", pulp.LpContinuous)
-    variables, persistent_terms, transient_terms = [], [], []
+    variables, persistent_terms, transient_terms, prefetch_terms = [], [], [], []
     offset = table.activation_bytes + table.fixed_bytes
-    min_transients = []
+    min_transients, min_prefetches = [], []
     for u, unit in enumerate(table.units):
         candidates = _candidates(unit)
         xs = [_new_variable(problem, f"x_{u}_{i}", pulp.LpBinary) for i in range(len(candidates))]
@@ -169,16 +184,38 @@ def _build_model(table: ChoiceTable) -> _Model:
                              for c, x in zip(candidates, xs, strict=True) if c.state_bytes + c.held_bytes > min_persistent]
         transient_terms.append([(x, -(c.transient_bytes - min_transient) / scale)
                                 for c, x in zip(candidates, xs, strict=True) if c.transient_bytes > min_transient])
-    pairs = [(u, u + 1) for u in range(len(table.units) - 1)] or [(0, 0)]
-    for u, v in pairs:
-        terms = transient_terms[u] + (transient_terms[v] if v != u else [])
-        constant = min_transients[u] + (min_transients[v] if v != u else 0)
-        row = pulp.LpAffineExpression([(peak_t, 1.0), *terms])
-        problem += row >= constant / scale, f"pair_{u}"
+        min_prefetch = min(c.prefetch for c in candidates)
+        min_prefetches.append(min_prefetch)
+        prefetch_terms.append([(x, -(c.prefetch - min_prefetch) / scale)
+                               for c, x in zip(candidates, xs, strict=True) if c.prefetch > min_prefetch])
+    if len(table.units) == 1:
+        row = pulp.LpAffineExpression([(peak_t, 1.0), *transient_terms[0]])
+        problem += row >= min_transients[0] / scale, "single_0"
+    # T >= running unit's transient + what its neighbour already holds, both orders of each pair.
+    for u in range(len(table.units) - 1):
+        for run, held, tag in ((u, u + 1, "f"), (u + 1, u, "b")):
+            row = pulp.LpAffineExpression([(peak_t, 1.0), *transient_terms[run], *prefetch_terms[held]])
+            problem += row >= (min_transients[run] + min_prefetches[held]) / scale, f"pair_{tag}{u}"
     memory = pulp.LpAffineExpression([*persistent_terms, (peak_t, 1.0)])
     max_peak = offset + round(sum(coef for _, coef in persistent_terms) * scale) + _transient_peak(
-        [max(c.transient_bytes for c, _ in pairs) for pairs in variables])
+        [max(c.transient_bytes for c, _ in pairs) for pairs in variables],
+        [max(c.prefetch for c, _ in pairs) for pairs in variables])
     return _Model(problem, tuple(variables), memory, offset, max_peak, scale)
+
+
+class SolverUnavailableError(RuntimeError):
+    """The CBC solver is missing or failed to run."""
+
+
+def _solve_or_explain(problem: pulp.LpProblem, solver: pulp.LpSolver) -> None:
+    hint = ("reinstall PuLP, which bundles CBC (`pip install --force-reinstall pulp`), or skip the solver "
+            "with OSDPStrategy(plan=<saved plan>) or uniform_choice=")
+    if not solver.available():
+        raise SolverUnavailableError(f"the CBC solver is not available ({solver.path}); {hint}")
+    try:
+        problem.solve(solver)
+    except pulp.PulpSolverError as err:
+        raise SolverUnavailableError(f"the CBC solver failed: {err}; {hint}") from err
 
 
 def _run_cbc(problem: pulp.LpProblem, time_limit_s: float | None, msg: bool,
@@ -194,7 +231,7 @@ def _run_cbc(problem: pulp.LpProblem, time_limit_s: float | None, msg: bool,
             warnings.filterwarnings("ignore", "PULP_CBC_CMD is deprecated", DeprecationWarning)
             solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, options=options,
                                        logPath=str(log_path))
-        problem.solve(solver)
+        _solve_or_explain(problem, solver)
         log = log_path.read_text() if log_path.exists() else ""
     if msg:
         print(log)
@@ -234,10 +271,17 @@ def _step_objective(table: ChoiceTable, model: _Model) -> pulp.LpAffineExpressio
 
 
 def _exclude(model: _Model, choices: tuple[str, ...], index: int) -> None:
-    """A no-good cut: forbids exactly this assignment and no other."""
-    chosen = [x for pairs, choice in zip(model.variables, choices, strict=True)
-              for c, x in pairs if c.choice == choice]
-    model.problem.addConstraint(pulp.lpSum(chosen) <= len(chosen) - 1, f"exclude_{index}")
+    """Cut off a plan that is over budget, with every plan at least as heavy in every unit.
+
+    The peak only grows with each unit's persistent and transient bytes, so all of those are
+    over budget too: the cut removes no plan that fits.
+    """
+    heavier = []
+    for pairs, choice in zip(model.variables, choices, strict=True):
+        mine = next(c for c, _ in pairs if c.choice == choice)
+        heavier += [x for c, x in pairs if c.state_bytes + c.held_bytes >= mine.state_bytes + mine.held_bytes
+                    and c.transient_bytes >= mine.transient_bytes and c.prefetch >= mine.prefetch]
+    model.problem.addConstraint(pulp.lpSum(heavier) <= len(choices) - 1, f"exclude_{index}")
 
 
 def _remaining_s(time_limit_s: float | None, start: float) -> float | None:
@@ -262,36 +306,49 @@ def solve_choice_table(table: ChoiceTable, budget_bytes: int, time_limit_s: floa
     model = _build_model(table)
     model.problem.setObjective(_step_objective(table, model))
     # Prune only branches that cannot beat the incumbent by a billionth of the slowest plan.
-    increment = 1e-9 * max(sum(max(map(_choice_step_s, [u] * len(u.choices), u.choices))
-                               for u in table.units), 1e-12)
-    memory = None
-    if budget_bytes < model.max_peak_bytes:  # else every assignment fits: no memory row
-        # NOTE: CBC decides feasibility only to about 1e-8 of the row (presolve included), so it
-        # gets a slightly larger budget and never rejects a plan that fits. A plan it returns
-        # inside the slack is excluded by a no-good cut and CBC runs again: the answer stays
-        # exact, and "Infeasible" with the slack proves it without.
-        limit = budget_bytes + _slack_bytes(model) - model.memory_offset_bytes
-        memory = model.memory <= limit / model.scale
-        model.problem.addConstraint(memory, "memory")
-    for index in range(_MAX_NO_GOODS):
+    slowest_s = sum(max(_choice_step_s(u, c) for c in u.choices) for u in table.units)
+    increment = 1e-9 * max(slowest_s, 1e-12)
+    if budget_bytes >= model.max_peak_bytes:  # every assignment fits: no memory row
+        status, bound, choices = _run_once(model, time_limit_s, msg, increment)
+        return _solution(table, choices, status, bound, start)
+    # NOTE: CBC decides feasibility only to about 1e-8 of the row (presolve included). It gets a
+    # slightly larger budget, so it never rejects a plan that fits; "Infeasible" is then proof.
+    # A plan it returns over the budget is cut off (with every heavier plan) and CBC runs again.
+    memory = model.memory <= (budget_bytes + _slack_bytes(model) - model.memory_offset_bytes) / model.scale
+    model.problem.addConstraint(memory, "memory")
+    lower_bound: float | None = None
+    for index in range(_MAX_CUTS):
         status, bound, choices = _run_once(model, _remaining_s(time_limit_s, start), msg, increment)
-        if not choices:
-            return Solution((), status, math.inf, 0, time.perf_counter() - start)
-        if peak_bytes(table, choices) <= budget_bytes:
+        if not choices or peak_bytes(table, choices) <= budget_bytes:
             return _solution(table, choices, status, bound, start)
         _exclude(model, choices, index)
         # The relaxed problem's optimum bounds the true one from below.
         lower_bound = pulp.value(model.problem.objective) if status == OPTIMAL else bound
-    # NOTE: many plans inside the slack (symmetric units): tighten instead. The plan then fits
-    # for sure, and is proven optimal only if it reaches the relaxed problem's bound.
-    assert memory is not None  # without a memory row the first plan always fits
-    memory.changeRHS((budget_bytes - _slack_bytes(model) - model.memory_offset_bytes) / model.scale)
-    status, bound, choices = _run_once(model, _remaining_s(time_limit_s, start), msg, increment)
-    if not choices or peak_bytes(table, choices) > budget_bytes:
-        return Solution((), NOT_SOLVED, math.inf, 0, time.perf_counter() - start)
-    solution = _solution(table, choices, status, bound, start)
-    gap = _relative_gap(solution.step_s, FEASIBLE, lower_bound)
-    return solution if gap is not None and gap <= 1e-9 else replace(solution, status=FEASIBLE, gap=gap)
+    return _solve_tightened(table, model, memory, budget_bytes, lower_bound, (time_limit_s, msg, increment),
+                            start)
+
+
+def _solve_tightened(table: ChoiceTable, model: _Model, memory: pulp.LpConstraint, budget_bytes: int,
+                     lower_bound: float | None, run: tuple[float | None, bool, float], start: float
+                     ) -> Solution:
+    """Many plans just over the budget (symmetric units): shrink CBC's budget until one fits.
+
+    The plan found then fits for sure; it is proven optimal only if it reaches ``lower_bound``.
+    """
+    time_limit_s, msg, increment = run
+    margin = _slack_bytes(model)
+    for _ in range(_TIGHTEN_TRIES):
+        memory.changeRHS((budget_bytes - margin - model.memory_offset_bytes) / model.scale)
+        status, bound, choices = _run_once(model, _remaining_s(time_limit_s, start), msg, increment)
+        if not choices:  # plans between the shrunk budget and the real one may still fit
+            break
+        if peak_bytes(table, choices) <= budget_bytes:
+            solution = _solution(table, choices, status, bound, start)
+            gap = _relative_gap(solution.step_s, FEASIBLE, lower_bound)
+            proven = status == OPTIMAL and gap is not None and gap <= 1e-9
+            return solution if proven else replace(solution, status=FEASIBLE, gap=gap)
+        margin *= 4
+    return Solution((), NOT_SOLVED, math.inf, 0, time.perf_counter() - start)
 
 
 def _slack_bytes(model: _Model) -> float:
@@ -300,13 +357,18 @@ def _slack_bytes(model: _Model) -> float:
 
 def _solution(table: ChoiceTable, choices: tuple[str, ...], status: str, bound: float | None,
               start: float) -> Solution:
+    if not choices:
+        return Solution((), status, math.inf, 0, time.perf_counter() - start)
     step_s = step_seconds(table, choices)
     return Solution(choices, status, step_s, peak_bytes(table, choices), time.perf_counter() - start,
                     _relative_gap(step_s, status, bound))
 
 
 def smallest_feasible_budget(table: ChoiceTable, time_limit_s: float | None = None) -> int:
-    """The smallest per-rank budget any assignment fits: the minimum exact peak bytes."""
+    """The smallest per-rank budget any assignment fits: the minimum exact peak bytes.
+
+    Stopped by ``time_limit_s``, it is the peak of the best plan found: a budget that fits.
+    """
     model = _build_model(table)
     model.problem.setObjective(model.memory)
     # Peaks are whole bytes, so any better assignment is at least one byte (1/scale) better.
@@ -330,10 +392,12 @@ def knapsack_dp(table: ChoiceTable, budget_bytes: int, resolution_bytes: int = 2
     """
     import numpy as np  # NOTE: local import: only this baseline needs numpy.
 
+    _check_table(table)
     start = time.perf_counter()
     units = table.units
     worst = [max(c.transient_bytes for c in unit.choices) for unit in units]
-    reserve = _transient_peak(worst) + table.activation_bytes + table.fixed_bytes
+    worst_prefetch = [max(c.prefetch for c in unit.choices) for unit in units]
+    reserve = _transient_peak(worst, worst_prefetch) + table.activation_bytes + table.fixed_bytes
     weights = [[-(-(c.state_bytes + c.held_bytes) // resolution_bytes) for c in u.choices] for u in units]
     capacity = (budget_bytes - reserve) // resolution_bytes - sum(min(w) for w in weights)
     if capacity < 0:

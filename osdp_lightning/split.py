@@ -119,6 +119,7 @@ class SplitLinear(nn.Module):
                 f"bias={self.bias is not None}")
 
     def slice_keys(self, prefix: str = "") -> list[str]:
+        """The slices' own state-dict keys (``{prefix}slices.{i}.weight``), which checkpoints never show."""
         return [f"{prefix}slices.{i}.weight" for i in range(self.k)]
 
 
@@ -327,13 +328,17 @@ def _forward_backward_s(module: nn.Module, x: torch.Tensor, grad_out: torch.Tens
     return time.perf_counter() - start
 
 
-def measure_split_overhead_s(linear: nn.Linear, example_input: torch.Tensor, k: int, repeats: int = 5) -> float:
+def measure_split_overhead_s(linear: nn.Linear, example_input: torch.Tensor, k: int, repeats: int = 5,
+                             min_total_s: float = 0.05, max_repeats: int = 100) -> float:
     """Median extra forward+backward seconds of ``SplitLinear.from_linear(linear, k)`` over ``linear``.
 
     Runs both on ``example_input`` (a real input of the unit's shape), alternating so that drift
-    hits both alike, and takes the median of the paired differences; never negative. Gradients
-    are returned by ``torch.autograd.grad``, so ``linear``'s ``.grad`` is left untouched. The input
-    is treated as requiring grad (a Linear inside a network also computes its input gradient).
+    hits both alike, and takes the median of the paired differences; never negative. At least
+    ``repeats`` pairs, more (up to ``max_repeats``) until the plain layer has run ``min_total_s``:
+    small layers take a fraction of a millisecond, where five samples are mostly noise.
+    Gradients are returned by ``torch.autograd.grad``, so ``linear``'s ``.grad`` is left
+    untouched. The input is treated as requiring grad (a Linear inside a network also computes
+    its input gradient).
     """
     split = SplitLinear.from_linear(linear, k)
     x = example_input.detach().requires_grad_(example_input.is_floating_point())
@@ -342,8 +347,10 @@ def measure_split_overhead_s(linear: nn.Linear, example_input: torch.Tensor, k: 
     grad_out = torch.ones_like(out) if x.requires_grad or any(p.requires_grad for p in linear.parameters()) else None
     for module in (linear, split):  # warm-up: allocator and kernel selection
         _forward_backward_s(module, x, grad_out)
-    differences = []
-    for _ in range(max(1, repeats)):
+    differences: list[float] = []
+    plain_total_s = 0.0
+    while len(differences) < max(1, repeats) or (plain_total_s < min_total_s and len(differences) < max_repeats):
         plain_s = _forward_backward_s(linear, x, grad_out)
         differences.append(_forward_backward_s(split, x, grad_out) - plain_s)
+        plain_total_s += plain_s
     return max(0.0, statistics.median(differences))

@@ -32,7 +32,9 @@ from osdp_lightning import checkpoint as checkpoint_io
 from osdp_lightning.apply import Meshes, apply_plan, build_meshes
 from osdp_lightning.budget import PLAN_HEADROOM_FRACTION, default_memory_budget, parse_bytes
 from osdp_lightning.calibrate import CollectiveTimings, measure_collectives
-from osdp_lightning.cost import BASE_CHOICES, REPLICATE, ClusterSpec, split_choices_for
+from osdp_lightning.cluster import NodeTimings, live_cluster_spec, measure_node_collectives
+from osdp_lightning.cost import BASE_CHOICES, REPLICATE, ClusterSpec, group_choices_for, split_choices_for
+from osdp_lightning.faults import all_ranks_succeed, init_elastic_process_group
 from osdp_lightning.plan import Plan, make_plan
 from osdp_lightning.profile import (
     DEFAULT_MIN_UNIT_PARAMS,
@@ -103,6 +105,7 @@ class OSDPStrategy(ModelParallelStrategy):
         self._plan: Plan | None = None
         self._profile: ModelProfile | None = None
         self._timings: CollectiveTimings | None = None
+        self._node_timings: NodeTimings | None = None
         self._meshes: Meshes | None = None
         self._root: _RootWrapper | None = None
         self.setup_s: dict[str, float] = {}
@@ -146,6 +149,14 @@ class OSDPStrategy(ModelParallelStrategy):
         self._device_mesh = None
 
     @override
+    def _setup_distributed(self) -> None:
+        # NOTE: under torchrun, each restart attempt needs its own keys in the shared store (faults.py).
+        self.set_world_ranks()
+        init_elastic_process_group(self._get_process_group_backend(), self.global_rank, self.world_size,
+                                   self._timeout)
+        super()._setup_distributed()
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -160,7 +171,8 @@ class OSDPStrategy(ModelParallelStrategy):
             apply_start = time.perf_counter()
             self._meshes = build_meshes(self.root_device.type, self.world_size)
             self._root = _RootWrapper(module)
-            apply_plan(module, self._root, self._plan, self._meshes)
+            with all_ranks_succeed("applying the osdp plan"):  # no rank waits for a failed one
+                apply_plan(module, self._root, self._plan, self._meshes)
             self.model = self._root
             self.setup_s = {
                 "calibrate_s": self._timings.calibrate_s if self._timings else 0.0,
@@ -185,6 +197,8 @@ class OSDPStrategy(ModelParallelStrategy):
         if self.micro_batch_size not in (None, "auto"):
             _set_batch_size(trainer, module, int(self.micro_batch_size))
         self._timings = measure_collectives(self.root_device) if self.world_size > 1 else None
+        if self.num_nodes > 1 and self.world_size > 1:  # every rank: intra- and inter-node links apart
+            self._node_timings = measure_node_collectives(self.root_device, self.num_processes)
         outcome: list[Any] = [None]
         if self.global_rank == 0:
             try:
@@ -220,7 +234,7 @@ class OSDPStrategy(ModelParallelStrategy):
             base = profile.micro_batch_size
             candidates = tuple(sorted({max(1, int(base * f)) for f in AUTO_BATCH_FACTORS}))
         plan = make_plan(profile, cluster, uniform_choice=self.uniform_choice, micro_batch_sizes=candidates,
-                         choices=BASE_CHOICES + split_choices_for(self.split_factors),
+                         choices=BASE_CHOICES + split_choices_for(self.split_factors) + group_choices_for(cluster),
                          time_limit_s=self.solver_time_limit_s)
         if plan.predicted_peak_bytes > cluster.memory_budget_bytes:
             rank_zero_warn(f"osdp: the {plan.source} plan is predicted to exceed the memory budget "
@@ -229,15 +243,9 @@ class OSDPStrategy(ModelParallelStrategy):
 
     def _cluster_spec(self) -> ClusterSpec:
         budget = self.memory_budget_bytes or default_memory_budget(self.root_device, self.num_processes)
-        timings = self._timings
-        overlap = self.overlap_efficiency
-        if overlap is None:
-            overlap = timings.overlap_efficiency if timings else 0.0
-        return ClusterSpec(
-            world_size=self.world_size, memory_budget_bytes=budget,
-            collective_latency_s=timings.latency_s if timings else 0.0,
-            bandwidth_bytes_per_s=timings.bandwidth_bytes_per_s if timings else 1e12,
-            overlap_efficiency=overlap, ranks_per_node=self.num_processes,
+        return live_cluster_spec(
+            world_size=self.world_size, ranks_per_node=self.num_processes, memory_budget_bytes=budget,
+            timings=self._timings, node_timings=self._node_timings, overlap_efficiency=self.overlap_efficiency,
             headroom_bytes=int(budget * PLAN_HEADROOM_FRACTION))
 
     # -- checkpoints: keys of the unwrapped LightningModule (osdp_lightning/checkpoint.py) ---------

@@ -86,8 +86,9 @@ def test_cost_formulas_by_hand() -> None:
     rep = base_choice_cost(unit, profile, CLUSTER, "replicate")
     z2 = base_choice_cost(unit, profile, CLUSTER, "zero2")
     z3 = base_choice_cost(unit, profile, CLUSTER, "zero3")
-    # replicate: param + FSDP2's unsharded copy + grad + Adam (2 states); one all-reduce of the grads
-    assert rep.state_bytes == p * (4 + 4 + 4 + 8) and rep.transient_bytes == 0
+    # replicate: param + grad + Adam (2 states); FSDP2's local unsharded copy is transient; one
+    # all-reduce of the grads
+    assert rep.state_bytes == p * (4 + 4 + 8) and rep.transient_bytes == rep.prefetch_bytes == 4 * p
     assert math.isclose(rep.comm_s, 1e-4 + 2 * 4 * p * (1 / 2) / 1e9)
     assert math.isclose(rep.comm_s, all_reduce_s(4 * p, 2, CLUSTER))
     # zero2: state / W, gathered params held forward->backward; all-gather + reduce-scatter
@@ -95,6 +96,7 @@ def test_cost_formulas_by_hand() -> None:
     assert math.isclose(z2.comm_s, 2 * (1e-4 + 4 * p / 2 / 1e9))
     # zero3: nothing held, params + grads transient; two all-gathers + reduce-scatter
     assert z3.state_bytes == z2.state_bytes and z3.held_bytes == 0 and z3.transient_bytes == 8 * p
+    assert z3.prefetch_bytes == 4 * p  # a prefetched neighbour holds parameters, not gradients
     assert math.isclose(z3.comm_s, 3 * (1e-4 + 4 * p / 2 / 1e9))
     assert rep.compute_s == z3.compute_s == pytest.approx(0.03)
 

@@ -3,12 +3,16 @@ measured peak under the budget and close to the prediction."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from conftest import SCRIPTS  # noqa: E402
 from toy_models import MODELS  # noqa: E402
 
 from osdp_lightning.cost import ClusterSpec, build_choice_table  # noqa: E402
@@ -49,7 +53,7 @@ def assert_plan_and_memory(result: list[dict]) -> dict:
     return plan
 
 
-def test_mlp_matches_ddp_for_replicate_zero3_and_mixed_plans(train) -> None:
+def test_mlp_matches_ddp_for_replicate_zero3_and_mixed_plans(train, tmp_path: Path) -> None:
     ddp = train("ddp", "--model", "mlp", "--strategy", "ddp")
     for uniform in ("replicate", "zero3"):
         osdp = train(uniform, "--model", "mlp", "--uniform", uniform)
@@ -61,6 +65,13 @@ def test_mlp_matches_ddp_for_replicate_zero3_and_mixed_plans(train) -> None:
     assert_same_losses(ddp, mixed)
     plan = assert_plan_and_memory(mixed)
     assert len({u["choice"] for u in plan["units"]}) >= 2, plan["units"]
+    # the saved plan is applied as it is: no profiling, same choices, same losses
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan))
+    again = train("again", "--model", "mlp", "--plan", str(plan_file))
+    assert_same_losses(ddp, again)
+    assert [u["choice"] for u in again[0]["plan"]["units"]] == [u["choice"] for u in plan["units"]]
+    assert again[0]["plan"]["source"].startswith("loaded:")
 
 
 def test_torch_transformer_matches_ddp_under_zero3(train) -> None:
@@ -92,3 +103,33 @@ def test_auto_micro_batch_size_is_set_on_the_module_before_dataloaders(train) ->
     # all-replicate fits a huge default budget: the largest candidate (8 x 8) has the best throughput
     assert plan["micro_batch_size"] == 64
     assert all(r["summary"]["micro_batch_size"] == 64 for r in result)
+
+
+def _launch_external(tmp_path: Path, how: str) -> list[dict]:
+    """Start both ranks from outside Lightning: torchrun, or the environment srun gives a SLURM task."""
+    out = tmp_path / f"{how}.json"
+    script = [str(SCRIPTS / "train_compare.py"), "--model", "mlp", "--uniform", "zero3", "--out", str(out)]
+    if how == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+               "--rdzv-endpoint=127.0.0.1:0", *script]
+        procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    else:
+        port = str(29600 + os.getpid() % 300)
+        procs = [subprocess.Popen(
+            [sys.executable, *script], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": str(rank),
+                 "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242",
+                 "SLURM_JOB_NAME": "osdp", "SLURM_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": port}) for rank in range(2)]
+    for proc in procs:
+        output, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, output[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_torchrun_and_slurm_launches_match_lightning_ddp(train, tmp_path: Path) -> None:
+    ddp = train("ddp", "--model", "mlp", "--strategy", "ddp")
+    for how in ("torchrun", "slurm"):
+        result = _launch_external(tmp_path, how)
+        assert_same_losses(ddp, result)
+        assert_plan_and_memory(result)

@@ -10,8 +10,10 @@ import random
 
 import pytest
 
+from osdp_lightning import solve
 from osdp_lightning.cost import ChoiceCost, ChoiceTable, UnitCosts
 from osdp_lightning.solve import (
+    FEASIBLE,
     INFEASIBLE,
     NOT_SOLVED,
     OPTIMAL,
@@ -29,7 +31,7 @@ REL_TOL = 1e-8
 
 def make_table(units: list[list[tuple]], overlaps: list[float] | None = None, activation: int = 0,
                fixed: int = 0) -> ChoiceTable:
-    """``units[u]`` lists ``(name, state, held, transient, compute_s, comm_s)`` per choice."""
+    """``units[u]`` lists ``(name, state, held, transient, compute_s, comm_s[, prefetch])`` per choice."""
     overlaps = overlaps or [0.0] * len(units)
     return ChoiceTable(
         units=tuple(UnitCosts(f"u{u}", tuple(ChoiceCost(*c) for c in choices), overlap)
@@ -44,8 +46,11 @@ def random_table(seed: int) -> ChoiceTable:
 
     def choice(name: str) -> tuple:
         held = rng.randint(0, 500 * factor) if rng.random() < 0.5 else 0
-        return (name, rng.randint(0, 1000 * factor), held, rng.randint(0, 1500 * factor),
-                rng.uniform(0.0, 1.0), rng.uniform(0.0, 1.0))
+        transient = rng.randint(0, 1500 * factor)
+        # Half the choices prefetch only part of their transient (zero3: parameters, not gradients).
+        prefetch = rng.randint(0, transient) if rng.random() < 0.5 else None
+        return (name, rng.randint(0, 1000 * factor), held, transient,
+                rng.uniform(0.0, 1.0), rng.uniform(0.0, 1.0), prefetch)
 
     units = []
     for _ in range(rng.randint(1, 8)):
@@ -61,7 +66,9 @@ def evaluate(table: ChoiceTable, combo: tuple[ChoiceCost, ...], pair_term: bool 
              overlap: bool = True) -> tuple[int, float]:
     """Independent oracle: peak bytes and step seconds, straight from the formulas."""
     transients = [c.transient_bytes for c in combo]
-    pairs = [a + b for a, b in zip(transients, transients[1:], strict=False)] if pair_term else []
+    held = [c.transient_bytes if c.prefetch_bytes is None else c.prefetch_bytes for c in combo]
+    pairs = [max(transients[u] + held[u + 1], held[u] + transients[u + 1])
+             for u in range(len(combo) - 1)] if pair_term else []
     peak = (sum(c.state_bytes + c.held_bytes for c in combo) + max(transients + pairs)
             + table.activation_bytes + table.fixed_bytes)
     step = sum(c.compute_s + max(0.0, c.comm_s - (u.overlap_s if overlap else 0.0))
@@ -74,6 +81,10 @@ def brute_force(seed: int) -> tuple[ChoiceTable, list[tuple[int, float, tuple[Ch
     table = random_table(seed)
     combos = itertools.product(*(unit.choices for unit in table.units))
     return table, [(*evaluate(table, combo), combo) for combo in combos]
+
+
+def chosen(table: ChoiceTable, choices: tuple[str, ...]) -> tuple[ChoiceCost, ...]:
+    return tuple(unit.cost_of(choice) for unit, choice in zip(table.units, choices, strict=True))
 
 
 def budgets_for(seed: int) -> list[int]:
@@ -103,6 +114,11 @@ def test_peak_and_step_by_hand() -> None:
         peak_bytes(table, ["a", "a"])
     with pytest.raises(KeyError):
         step_seconds(table, ["a", "a", "nope"])
+    empty = make_table([])
+    with pytest.raises(ValueError):
+        solve_choice_table(empty, 10)
+    with pytest.raises(ValueError):
+        knapsack_dp(make_table([[]]), 10)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -117,11 +133,10 @@ def test_ilp_matches_brute_force(seed: int) -> None:
             assert solution.status == INFEASIBLE and solution.choices == () and not solution.feasible
             continue
         assert solution.status == OPTIMAL and solution.feasible and solution.gap == 0.0
-        assert solution.peak_bytes == peak_bytes(table, solution.choices) <= budget
+        oracle_peak, oracle_step = evaluate(table, chosen(table, solution.choices))
+        assert solution.peak_bytes == oracle_peak <= budget
+        assert solution.step_s == pytest.approx(oracle_step, rel=1e-12)
         assert solution.step_s == pytest.approx(expected, rel=REL_TOL)
-        assert solution.step_s == pytest.approx(step_seconds(table, solution.choices), rel=1e-12)
-    assert solve_choice_table(table, lowest).feasible
-    assert solve_choice_table(table, lowest - 1).status == INFEASIBLE
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -135,9 +150,12 @@ def test_knapsack_dp_never_beats_the_ilp(seed: int) -> None:
         if not dp.feasible:
             continue
         assert expected is not None, "the DP found a plan where none fits"
-        assert dp.peak_bytes == peak_bytes(table, dp.choices) <= budget
+        assert dp.peak_bytes == evaluate(table, chosen(table, dp.choices))[0] <= budget
         assert dp.step_s >= expected * (1 - REL_TOL)
         assert dp.step_s >= solve_choice_table(table, budget).step_s * (1 - REL_TOL)
+    # With room for its rounding, the DP must find a plan (or the checks above test nothing).
+    roomy = max(r[0] for r in results) + len(table.units) * resolution
+    assert knapsack_dp(table, roomy, resolution_bytes=resolution).feasible
 
 
 def test_random_instances_exercise_pair_term_and_overlap() -> None:
@@ -147,14 +165,15 @@ def test_random_instances_exercise_pair_term_and_overlap() -> None:
         table, results = brute_force(seed)
         for budget in budgets_for(seed)[2:4]:
             expected = best_step(results, budget)
-            # the plan a model without the prefetch pair would pick: does it really fit?
-            no_pair = min((evaluate(table, r[2], pair_term=False)[0] <= budget, -r[1], r[0]) for r in results)
-            pair_binds += no_pair[0] and -no_pair[1] < expected * (1 - REL_TOL)
-            # the plan picked ignoring overlap: is it slower than the optimum once overlap counts?
-            no_overlap = min((evaluate(table, r[2], overlap=False)[1], r[1]) for r in results
-                             if r[0] <= budget)
+            # The plan a model without the prefetch pair would pick: does it really fit?
+            no_pair = min((r for r in results if evaluate(table, r[2], pair_term=False)[0] <= budget),
+                          key=lambda r: r[1])
+            pair_binds += no_pair[0] > budget
+            # The plan picked ignoring overlap: is it slower than the optimum once overlap counts?
+            no_overlap = min((r for r in results if r[0] <= budget),
+                             key=lambda r: evaluate(table, r[2], overlap=False)[1])
             overlap_binds += no_overlap[1] > expected * (1 + REL_TOL)
-    assert pair_binds >= 5
+    assert pair_binds >= 20
     assert overlap_binds >= 5
 
 
@@ -188,6 +207,41 @@ def test_ilp_strictly_better_than_dp_on_rounding() -> None:
     ilp, dp = solve_choice_table(table, budget), knapsack_dp(table, budget)
     assert ilp.choices == ("fast", "fast") and ilp.peak_bytes == budget
     assert dp.feasible and dp.step_s == pytest.approx(4.0) and ilp.step_s == pytest.approx(2.0)
+
+
+def test_exactly_tight_budget_regression() -> None:
+    # CBC 2.10's preprocessing called this budget (the exact minimum peak) infeasible when the
+    # memory row had no slack at all.
+    table = make_table(
+        [[("c0", 827, 331, 1049, 0.08755058519352132, 0.15982815471181144)],
+         [("c0", 448, 50, 1166, 0.33438765904821743, 0.016462352292243132),
+          ("c1", 649, 157, 124, 0.4212548756059541, 0.5056412646556553)],
+         [("c0", 257, 486, 1629, 0.5644738070179361, 0.9815602835504847),
+          ("c1", 397, 344, 369, 0.7710510370964243, 0.324154668570523),
+          ("c2", 128, 274, 1470, 0.4799945792025646, 0.642865206844139)]],
+        overlaps=[0.4237856265748965, 0.5232798750588797, 0.4435749587142182], activation=401, fixed=413)
+    assert smallest_feasible_budget(table) == 4692
+    solution = solve_choice_table(table, 4692)
+    assert solution.status == OPTIMAL and solution.choices == ("c0", "c1", "c1")
+    assert solution.peak_bytes == 4692
+
+
+def test_plan_just_over_budget_is_cut_off() -> None:
+    # CBC sees a budget a little larger than the real one (its tolerances are ~1e-8 of 1 TB);
+    # the fast plan is 1 byte over, so it must be cut off and the slow one returned as optimal.
+    table = make_table([[("fast", 10**12, 0, 0, 1.0, 0.0), ("slow", 10**12 - 10, 0, 0, 2.0, 0.0)]])
+    solution = solve_choice_table(table, 10**12 - 1)
+    assert solution.status == OPTIMAL and solution.choices == ("slow",)
+    assert solution.peak_bytes == 10**12 - 10
+
+
+def test_too_many_plans_over_budget_fall_back_to_a_fitting_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(solve, "_MAX_CUTS", 1)  # as if symmetric units put many plans in the slack
+    table = make_table([[("fast", 10**12, 0, 0, 1.0, 0.0), ("slow", 10**12 - 10**6, 0, 0, 2.0, 0.0)]])
+    solution = solve_choice_table(table, 10**12 - 1)
+    # It fits, but only the relaxed bound (1.0 s, the cut-off plan) is known: not proven optimal.
+    assert solution.status == FEASIBLE and solution.feasible and solution.choices == ("slow",)
+    assert solution.gap == pytest.approx(0.5)
 
 
 def test_infeasible_budget_does_not_raise() -> None:
@@ -257,3 +311,18 @@ def test_msg_prints_the_cbc_log(capsys: pytest.CaptureFixture[str]) -> None:
     table = make_table([[("a", 1, 0, 0, 1.0, 0.0)]])
     assert solve_choice_table(table, 1, msg=True).status == OPTIMAL
     assert "Cbc" in capsys.readouterr().out
+
+
+def test_prefetch_bytes_enter_the_pair_term_in_both_orders() -> None:
+    """A running unit's whole transient coexists with its neighbour's prefetched part only."""
+    from osdp_lightning.cost import ChoiceCost, ChoiceTable, UnitCosts
+
+    def unit(name: str, transient: int, prefetch: int) -> UnitCosts:
+        return UnitCosts(name, (ChoiceCost("zero3", 10, 0, transient, 1.0, 0.0, prefetch_bytes=prefetch),), 0.0)
+
+    table = ChoiceTable((unit("a", 100, 40), unit("b", 70, 60)), activation_bytes=0, fixed_bytes=0,
+                        micro_batch_size=1)
+    # max(a runs + b prefetched, b runs + a prefetched) = max(100 + 60, 70 + 40)
+    assert peak_bytes(table, ["zero3", "zero3"]) == 20 + 160
+    assert solve_choice_table(table, 180).feasible
+    assert not solve_choice_table(table, 179).feasible

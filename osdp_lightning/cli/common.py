@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from osdp_lightning.budget import parse_bytes
+from osdp_lightning.cluster import cluster_spec_from_config
 from osdp_lightning.cost import ClusterSpec
 
 CONFIG_PATH = "pkg://conf"
@@ -26,24 +26,8 @@ def cluster_world_size(cluster: DictConfig) -> int:
 
 
 def cluster_spec(cluster: DictConfig) -> ClusterSpec:
-    """The cost model's view of a ``conf/cluster`` entry.
-
-    NOTE: across nodes a ring collective runs at the slowest link, so a multi-node cluster is
-    priced at the inter-node bandwidth and latency (the dry-run issue refines this).
-    """
-    bandwidth, latency = cluster.intra_node_bandwidth_bytes_per_s, cluster.intra_node_latency_s
-    if int(cluster.nodes) > 1:
-        bandwidth = min(bandwidth, cluster.inter_node_bandwidth_bytes_per_s)
-        latency = max(latency, cluster.inter_node_latency_s)
-    return ClusterSpec(
-        world_size=cluster_world_size(cluster),
-        memory_budget_bytes=parse_bytes(cluster.memory_budget),
-        collective_latency_s=float(latency),
-        bandwidth_bytes_per_s=float(bandwidth),
-        overlap_efficiency=float(cluster.overlap_efficiency),
-        headroom_bytes=parse_bytes(cluster.headroom) if cluster.headroom else 0,
-        ranks_per_node=int(cluster.devices_per_node),
-    )
+    """The cost model's view of a ``conf/cluster`` entry (see :mod:`osdp_lightning.cluster`)."""
+    return cluster_spec_from_config(OmegaConf.to_container(cluster, resolve=True))
 
 
 def check_cluster_runs_here(cluster: DictConfig, what: str) -> None:

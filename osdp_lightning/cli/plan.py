@@ -18,7 +18,7 @@ import hydra
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from osdp_lightning.budget import format_bytes
 from osdp_lightning.cli.common import (
@@ -32,9 +32,10 @@ from osdp_lightning.cli.common import (
 from osdp_lightning.cost import BASE_CHOICES, ClusterSpec, split_choices_for
 from osdp_lightning.plan import InfeasibleBudgetError, Plan, make_plan
 from osdp_lightning.profile import ModelProfile, measure_split_overheads, profile_lightning_module
+from osdp_lightning.strategy import AUTO_BATCH_FACTORS
 
 BASELINES = {"ddp": "replicate", "zero2": "zero2", "zero3": "zero3"}
-AUTO_BATCH_FACTORS = (0.25, 0.5, 1, 2, 4, 8)
+UNIT_OPTIONS = ("unit_module_types", "unit_name_patterns", "min_unit_params")
 
 
 def _optimizer_of(module: pl.LightningModule) -> torch.optim.Optimizer | None:
@@ -63,7 +64,11 @@ def profile_recipe(cfg: DictConfig) -> tuple[ModelProfile, int]:
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
     module = instantiate(cfg.model)
-    profile = profile_lightning_module(module, batch, optimizer=_optimizer_of(module))
+    # NOTE: the same unit options as the strategy (e.g. +strategy.unit_name_patterns=[...]).
+    strategy = OmegaConf.to_container(cfg.strategy, resolve=True)
+    unit_options = {key: strategy[key] for key in UNIT_OPTIONS if strategy.get(key) is not None}
+    profile = profile_lightning_module(module, batch, optimizer=_optimizer_of(module),
+                                       repeats=int(cfg.strategy.profile_repeats), **unit_options)
     split_factors = tuple(cfg.strategy.split_factors)
     if split_factors:
         profile = measure_split_overheads(module, batch, profile, split_factors)

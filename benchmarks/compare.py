@@ -1,0 +1,184 @@
+"""Throughput of osdp against DDP / ZeRO-2 / ZeRO-3 at equal memory budgets, and how true its predictions are.
+
+    osdp-bench                                  # the default: GPT on 2 CPU ranks, ~10 minutes
+    python -m benchmarks.compare --rounds 3 --out-dir docs/benchmarks
+    python -m benchmarks.compare --accelerator cuda --devices 1 --preset cuda
+
+Every run is a separate multi-process launch of :mod:`benchmarks.compare_worker` with the same
+model, data and seed. The ``ddp`` run (FSDP2 with every unit replicated) goes first; its measured
+peak per rank sets the osdp budgets (``--fractions`` of it). Each method then runs once per round,
+the order reversed every other round, and rows report medians over rounds, so that drift of a
+shared machine does not favour one method. Writes ``compare.md`` (tables), ``compare.csv`` (one
+row per method), ``compare_runs.csv`` (one row per run), ``compare_runs.json`` and ``compare.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import compare_report
+
+BASELINES = ("ddp", "zero2", "zero3")
+DEFAULT_FRACTIONS = (1.0, 0.85, 0.7, 0.55, 0.4)
+PRESETS: dict[str, dict[str, int]] = {
+    # NOTE: parameters dominate the peak (short sequences, small micro-batch), so sharding pays:
+    # all-replicate holds 20 bytes per parameter (fp32 AdamW, plus FSDP2's unsharded copy).
+    "cpu": {"n_layer": 4, "n_embd": 256, "n_head": 4, "seq_len": 64, "batch_size": 4, "steps": 12},
+    "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 4, "seq_len": 32, "batch_size": 2, "steps": 6},
+    "cuda": {"n_layer": 12, "n_embd": 1024, "n_head": 16, "seq_len": 256, "batch_size": 8, "steps": 30},
+}
+MODEL_ARGS = ("n_layer", "n_embd", "n_head", "seq_len", "batch_size", "steps")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="osdp-bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="model size (default: cuda with --accelerator cuda, else cpu)")
+    for name in MODEL_ARGS:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help="overrides the preset")
+    parser.add_argument("--fractions", default=",".join(str(f) for f in DEFAULT_FRACTIONS),
+                        help="osdp budgets as fractions of the measured all-replicate peak")
+    parser.add_argument("--methods", default="ddp,zero2,zero3,osdp")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run-timeout-s", type=float, default=900.0)
+    parser.add_argument("--out-dir", type=Path, default=Path("bench_out/compare"))
+    parser.add_argument("--no-plot", action="store_true")
+    return parser
+
+
+def model_settings(args: argparse.Namespace) -> dict[str, int]:
+    preset = args.preset or ("cuda" if args.accelerator == "cuda" else "cpu")
+    settings = dict(PRESETS[preset])
+    settings.update({k: getattr(args, k) for k in MODEL_ARGS if getattr(args, k) is not None})
+    return settings
+
+
+def worker_command(method: str, budget: int | None, settings: dict[str, int], args: argparse.Namespace,
+                   out: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "benchmarks.compare_worker", "--method", method, "--out", str(out),
+           "--accelerator", args.accelerator, "--devices", str(args.devices), "--seed", str(args.seed)]
+    cmd += [arg for k, v in settings.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
+    return cmd + (["--budget", str(budget)] if budget is not None else [])
+
+
+def launch(method: str, budget: int | None, settings: dict[str, int], args: argparse.Namespace,
+           work: Path, label: str) -> dict[str, Any]:
+    """One multi-process training run; its rank-0 record, or an ``error`` record with the log tail."""
+    out, log = work / f"{label}.json", work / f"{label}.log"
+    cmd = worker_command(method, budget, settings, args, out)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    start = time.perf_counter()
+    with log.open("w") as handle:
+        try:
+            proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env,
+                                  timeout=args.run_timeout_s, check=False)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    wall_s = time.perf_counter() - start
+    if code == 0 and out.exists():
+        record = json.loads(out.read_text())
+    else:
+        tail = log.read_text()[-3000:]
+        record = {"method": method, "budget_bytes": budget, "status": "error", "message": f"exit {code}: {tail}"}
+    record["wall_s"] = wall_s
+    return record
+
+
+def run_order(fractions: tuple[float, ...], methods: tuple[str, ...], round_index: int) -> list[tuple[str, float | None]]:
+    """Round 0 starts with ddp (its peak sets the budgets); odd rounds run in reverse order."""
+    jobs = [(m, None) for m in BASELINES if m in methods]
+    jobs += [("osdp", f) for f in fractions] if "osdp" in methods else []
+    return jobs if round_index % 2 == 0 else jobs[::-1]
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def run_all(args: argparse.Namespace, settings: dict[str, int], work: Path) -> tuple[list[dict], int]:
+    """Every run of every round; returns the run records and the all-replicate peak in bytes."""
+    fractions = tuple(float(f) for f in args.fractions.split(",") if f)
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    ddp = launch("ddp", None, settings, args, work, "r0_ddp")
+    if ddp.get("status") != "ok":
+        raise SystemExit(f"the all-replicate (ddp) run failed; no budgets without it:\n{ddp.get('message')}")
+    replicate_peak = int(ddp["summary"]["peak_bytes"])
+    print(f"all-replicate peak per rank: {replicate_peak / 2**20:.2f} MiB; load average {load_average()}", flush=True)
+    runs, infeasible = [], set()
+    for r in range(args.rounds):
+        for method, fraction in run_order(fractions, methods, r):
+            if (method, fraction) in infeasible:
+                continue  # no plan fits: the same answer every round (the profile's bytes are exact)
+            if r == 0 and method == "ddp":
+                record = ddp if "ddp" in methods else None
+            else:
+                budget = int(fraction * replicate_peak) if fraction is not None else None
+                label = f"r{r}_{method}" + (f"_{round(100 * fraction)}" if fraction is not None else "")
+                record = launch(method, budget, settings, args, work, label)
+            if record is None:
+                continue
+            record.update(round=r, fraction=fraction, load_average=load_average())
+            runs.append(record)
+            if record["status"] == "infeasible":
+                infeasible.add((method, fraction))
+            print(compare_report.progress_line(record), flush=True)
+    return runs, replicate_peak
+
+
+def describe_machine(args: argparse.Namespace, settings: dict[str, int], params: int | None) -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    gpu = torch.cuda.get_device_name(0) if args.accelerator == "cuda" and torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(memory_gib, 1), "gpu": gpu,
+            "accelerator": args.accelerator, "devices": args.devices, "torch": torch.__version__,
+            "python": platform.python_version(), "model": settings, "param_count": params,
+            "rounds": args.rounds, "command": " ".join(["osdp-bench", *sys.argv[1:]])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = model_settings(args)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    load_start, start = load_average(), time.perf_counter()
+    print(f"osdp-bench: GPT {settings} on {args.devices} x {args.accelerator}, {args.rounds} round(s); "
+          f"load average {load_start}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="osdp-bench-") as tmp:
+        runs, replicate_peak = run_all(args, settings, Path(tmp))
+    params = next((r.get("param_count") for r in runs if r.get("param_count")), None)
+    machine = describe_machine(args, settings, params)
+    machine.update(load_average_start=load_start, load_average_end=load_average(),
+                   total_wall_s=round(time.perf_counter() - start, 1), replicate_peak_bytes=replicate_peak)
+    rows = compare_report.aggregate(runs, replicate_peak)
+    text = compare_report.write_outputs(args.out_dir, machine, rows, runs, plot=not args.no_plot)
+    print(text)
+    return 1 if any(r["status"] == "error" for r in runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

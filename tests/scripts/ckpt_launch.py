@@ -1,0 +1,76 @@
+"""Start a multi-process test script safely from pytest: output to a file, bounded time, no orphans.
+
+Output goes to a log file rather than a pipe (a rank that outlives the launcher would keep a pipe
+open and block the reader), and the script runs in its own session so that on timeout every
+process it started is killed with it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SCRIPTS = Path(__file__).parent
+
+
+@dataclass
+class Finished:
+    returncode: int
+    elapsed_s: float
+    log: str
+    leftovers: list[int]
+    """Processes of the script's session still running (not zombies) ``grace_s`` after the launcher exited."""
+
+
+def run_logged(args: list[str], log_path: Path, timeout_s: float, cwd: Path | None = None,
+               env: dict[str, str] | None = None, grace_s: float = 15.0) -> Finished:
+    """Run ``python <args>`` (a script under tests/scripts or ``-m ...``); kill its session on timeout.
+
+    Processes of the session still alive ``grace_s`` after the launcher exited are reported in
+    ``leftovers`` (then killed).
+    """
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, *args], cwd=cwd or SCRIPTS, env=full_env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            returncode = -9
+            log.write(f"\n[ckpt_launch] killed after {timeout_s} s\n")
+    elapsed = time.monotonic() - start
+    deadline = time.monotonic() + grace_s  # ranks still tearing down on their own may finish
+    while (leftovers := session_members(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return Finished(returncode, elapsed, log_path.read_text(), leftovers)
+
+
+def session_members(session_id: int) -> list[int]:
+    """Live (non-zombie) processes whose session is ``session_id``."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, session = fields[0], int(fields[3])  # after "(comm)": state ppid pgrp session
+        if session == session_id and state not in ("Z", "X"):
+            members.append(int(stat.parent.name))
+    return members
+
+
+def script(name: str) -> str:
+    return str(SCRIPTS / name)

@@ -1,0 +1,84 @@
+"""Train a toy model on two "nodes" of torchrun ranks and write what happened as JSON.
+
+Started once per node by ``torchrun`` (see ``tests/test_hsdp_multinode.py``)::
+
+    python -m torch.distributed.run --nnodes=2 --nproc-per-node=2 --node-rank=0 \\
+        --master-addr=127.0.0.1 --master-port=29533 hsdp_train.py --strategy osdp --plan plan.json --out r.json
+
+Lightning sees torchrun's environment (``num_nodes=2``, ``devices=2``). With ``--strategy osdp``
+the given plan is applied (it may hold ``hsdp(g=2)`` and ``zero3(reshard=2)`` units); with
+``--strategy ddp`` Lightning's own DDP trains the same model on the same data as the reference.
+Rank 0 writes every rank's losses, its node, the ranks its hsdp shard group holds, and the
+collective timings measured inside and across the nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).parent))
+from toy_models import MODELS  # noqa: E402
+
+from osdp_lightning import OSDPStrategy  # noqa: E402
+from osdp_lightning.cluster import environment_topology, live_cluster_spec, measure_node_collectives  # noqa: E402
+from osdp_lightning.cost import parse_hsdp_choice  # noqa: E402
+
+
+def hsdp_shard_groups(module: torch.nn.Module, plan_units: list[dict]) -> dict[str, list[int]]:
+    """For each hsdp unit, the global ranks of this rank's shard group (read from its DTensor mesh)."""
+    groups = {}
+    for unit in plan_units:
+        if parse_hsdp_choice(unit["choice"]) is None:
+            continue
+        param = next(module.get_submodule(unit["module_names"][0]).parameters())
+        assert isinstance(param, DTensor), f"{unit['name']} is not sharded"
+        groups[unit["name"]] = dist.get_process_group_ranks(param.device_mesh.get_group("shard"))
+    return groups
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="mlp", choices=sorted(MODELS))
+    parser.add_argument("--strategy", default="osdp", choices=["osdp", "ddp"])
+    parser.add_argument("--plan", default=None)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    L.seed_everything(0, workers=True)
+    model = MODELS[args.model]()
+    strategy = OSDPStrategy(plan=args.plan) if args.strategy == "osdp" else "ddp"
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, num_nodes=2, max_steps=args.steps,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, deterministic=True)
+    trainer.fit(model)
+    world_size, ranks_per_node = environment_topology()
+    timings = measure_node_collectives(torch.device("cpu"), ranks_per_node)
+    spec = live_cluster_spec(world_size=world_size, ranks_per_node=ranks_per_node, memory_budget_bytes=2**30,
+                             timings=None, node_timings=timings)
+    plan = getattr(trainer.strategy, "_plan", None)
+    result = {"rank": trainer.global_rank, "node_rank": trainer.node_rank, "losses": model.losses,
+              "shard_groups": hsdp_shard_groups(model, plan.to_dict()["units"]) if plan else {},
+              "num_nodes": spec.num_nodes, "local_world_size": spec.local_world_size,
+              "intra_bandwidth_bytes_per_s": timings.intra_bandwidth_bytes_per_s,
+              "inter_bandwidth_bytes_per_s": timings.inter_bandwidth_bytes_per_s,
+              "inter_latency_s": timings.inter_latency_s}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if trainer.global_rank == 0:
+        Path(args.out).write_text(json.dumps(gathered, indent=1))
+        if plan is not None:
+            print(plan.format_table())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The entry points end to end, as a user runs them: a fresh process in a temporary directory.
+
+``osdp-train`` and a sweep start 2 gloo ranks each (marked ``multiprocess``); ``osdp-plan`` and
+the error paths run in one process.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(command: str, *args: str, cwd: Path, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    """``python -m osdp_lightning.cli.<command> args`` in ``cwd`` (what the console scripts run)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", f"osdp_lightning.cli.{command}", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def only_dir(parent: Path) -> Path:
+    (found,) = [p for p in parent.iterdir() if p.is_dir()]
+    return found
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+
+
+@pytest.mark.multiprocess
+def test_osdp_train_prints_plan_and_summary_and_writes_metrics(tmp_path: Path) -> None:
+    proc = run_cli("train", "model=gpt_tiny", "cluster=cpu_2", "trainer=smoke", "cluster.memory_budget=12.5MiB",
+                   cwd=tmp_path)
+    check_ok(proc)
+    assert "predicted peak per rank" in proc.stdout and "choices:" in proc.stdout  # the plan table
+    assert "tokens/s" in proc.stdout and "measured peak per rank" in proc.stdout  # the summary
+    run_dir = only_dir(tmp_path / "outputs" / "train")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["model"] == "gpt_tiny" and summary["strategy"] == "osdp" and summary["steps"] == 5
+    assert summary["memory_budget_bytes"] == int(12.5 * 2**20)
+    assert summary["peak_bytes"] > 0 and summary["tokens_per_s"] > 0
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["world_size"] == 2 and plan["predicted_peak_bytes"] <= plan["memory_budget_bytes"]
+    assert {u["choice"] for u in plan["units"]} != {"replicate"}  # the budget forces some sharding
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    assert len([r for r in rows if r.get("train/loss")]) == 5
+
+
+@pytest.mark.multiprocess
+def test_sweep_runs_every_recipe_with_osdp_and_summarises(tmp_path: Path) -> None:
+    """Each recipe at tiny size trains with strategy=osdp on 2 ranks; one row per job."""
+    proc = run_cli("train", "-m", "model=gpt_tiny,bert_tiny,t5_tiny", "strategy=osdp", "cluster=cpu_2",
+                   "trainer=smoke", "cluster.memory_budget=1GiB", cwd=tmp_path)
+    check_ok(proc)
+    sweep_dir = only_dir(tmp_path / "multirun")
+    rows = list(csv.DictReader((sweep_dir / "sweep_summary.csv").open()))
+    assert [r["model"] for r in rows] == ["gpt_tiny", "bert_tiny", "t5_tiny"]
+    for row in rows:
+        assert row["status"] == "ok" and row["strategy"] == "osdp" and row["steps"] == "5"
+        assert float(row["tokens_per_s"]) > 0 and int(row["peak_bytes"]) > 0
+        assert int(row["memory_budget_bytes"]) == 2**30 and float(row["final_loss"]) < 6.5
+    markdown = (sweep_dir / "sweep_summary.md").read_text()
+    assert markdown.count("| ok |") == 3 and "sweep summary: 3 jobs" in proc.stdout
+    for job in ("0", "1", "2"):
+        assert (sweep_dir / job / "metrics.csv").exists() and (sweep_dir / job / "plan.json").exists()
+
+
+def test_osdp_plan_compares_osdp_with_the_baselines(tmp_path: Path) -> None:
+    proc = run_cli("plan", "model=gpt_tiny", "cluster=cpu_2", "cluster.memory_budget=12.5MiB", cwd=tmp_path)
+    check_ok(proc)
+    for name in ("| osdp |", "| ddp |", "| zero2 |", "| zero3 |", "predicted peak per rank"):
+        assert name in proc.stdout
+    run_dir = only_dir(tmp_path / "outputs" / "plan")
+    comparison = json.loads((run_dir / "comparison.json").read_text())
+    rows = {r["strategy"]: r for r in comparison["rows"]}
+    assert set(rows) == {"osdp", "ddp", "zero2", "zero3"}
+    assert rows["osdp"]["fits"] and not rows["ddp"]["fits"]  # ddp does not fit this budget
+    for name in ("plan.json", "plan_ddp.json", "plan_zero2.json", "plan_zero3.json", "comparison.md"):
+        assert (run_dir / name).exists()
+
+
+def test_unknown_model_lists_the_available_ones(tmp_path: Path) -> None:
+    proc = run_cli("train", "model=gpt_huge", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "Could not find 'model/gpt_huge'" in proc.stderr
+    assert "gpt_tiny" in proc.stderr and "t5_large" in proc.stderr
+
+
+def test_unknown_cluster_lists_the_available_ones(tmp_path: Path) -> None:
+    proc = run_cli("plan", "cluster=tpu_v5", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "Could not find 'cluster/tpu_v5'" in proc.stderr and "h100_80g_x8x2" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_a_gpu_cluster_is_refused_here_with_a_clear_message(command: str, tmp_path: Path) -> None:
+    proc = run_cli(command, "model=gpt_tiny", "cluster=a100_40g_x8", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "cluster=a100_40g_x8 is 8 GPUs" in proc.stderr and "cluster=cpu_2" in proc.stderr

@@ -1,0 +1,113 @@
+"""Group sharding choices in the cost model and in apply: ``hsdp(g=G)`` and ``zero3(reshard=G)``."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from osdp_lightning.apply import Meshes, shard_kwargs
+from osdp_lightning.cost import (
+    ClusterSpec,
+    all_gather_s,
+    all_reduce_s,
+    base_choice_cost,
+    build_choice_table,
+    group_choices_for,
+    hsdp_choice,
+    hsdp_choice_cost,
+    is_known_choice,
+    parse_hsdp_choice,
+    parse_split_choice,
+    parse_zero3_reshard_choice,
+    zero3_reshard_choice,
+    zero3_reshard_choice_cost,
+)
+from osdp_lightning.plan import make_plan
+from osdp_lightning.profile import ModelProfile, UnitProfile
+
+P = 1_000_000
+UNIT = UnitProfile(name="block", module_names=("block",), param_count=P, frozen_param_count=0,
+                   forward_s=0.01, backward_s=0.02, activation_bytes=0)
+PROFILE = ModelProfile(units=(UNIT, UnitProfile("", ("",), 0, 0, 0.0, 0.0, 0)), micro_batch_size=4,
+                       param_bytes_per_element=4, grad_bytes_per_element=4, compute_bytes_per_element=4,
+                       reduce_bytes_per_element=4, optimizer_bytes_per_param=8, activation_bytes=10**6)
+TWO_NODES = ClusterSpec(world_size=16, memory_budget_bytes=2**34, collective_latency_s=1e-5,
+                        bandwidth_bytes_per_s=1e11, ranks_per_node=8, inter_node_bandwidth_bytes_per_s=1e10,
+                        inter_node_latency_s=1e-4)
+
+
+def test_choice_names_round_trip_and_stay_apart() -> None:
+    assert hsdp_choice(8) == "hsdp(g=8)" and parse_hsdp_choice("hsdp(g=8)") == 8
+    assert zero3_reshard_choice(4) == "zero3(reshard=4)" and parse_zero3_reshard_choice("zero3(reshard=4)") == 4
+    for name in ("hsdp(g=8)", "zero3(reshard=4)"):
+        assert is_known_choice(name) and parse_split_choice(name) is None
+    assert parse_hsdp_choice("zero3(reshard=4)") is None and parse_zero3_reshard_choice("hsdp(g=8)") is None
+    assert not is_known_choice("hsdp(8)") and not is_known_choice("zero3(reshard=)")
+
+
+def test_group_choices_default_to_one_node_and_only_on_several_nodes() -> None:
+    assert group_choices_for(TWO_NODES) == ("hsdp(g=8)", "zero3(reshard=8)")
+    one_node = ClusterSpec(world_size=8, memory_budget_bytes=1, collective_latency_s=0, bandwidth_bytes_per_s=1)
+    assert group_choices_for(one_node) == ()
+    assert group_choices_for(TWO_NODES, (2, 3, 16, 1)) == ("hsdp(g=2)", "zero3(reshard=2)")
+
+
+def test_hsdp_shards_in_the_node_and_all_reduces_across_nodes() -> None:
+    cost = hsdp_choice_cost(UNIT, PROFILE, TWO_NODES, 8)
+    assert cost.state_bytes == P * (4 + 4 + 8) // 8
+    assert (cost.held_bytes, cost.transient_bytes, cost.prefetch) == (0, P * 8, P * 4)
+    in_node = 2 * all_gather_s(4 * P, 8, TWO_NODES) + all_gather_s(4 * P, 8, TWO_NODES)
+    across = all_reduce_s(4 * P / 8, 2, TWO_NODES, crosses_nodes=True)
+    assert cost.comm_s == pytest.approx(in_node + across)
+    assert TWO_NODES.link(False)[1] == 1e11  # the in-group collectives used the fast link
+    assert in_node == pytest.approx(3 * (1e-5 + 4 * P * 7 / 8 / 1e11))
+    assert across == pytest.approx(1e-4 + 2 * (4 * P / 8) / 2 / 1e10)
+
+
+def test_zero3_and_replicate_across_nodes_pay_the_inter_node_link() -> None:
+    zero3 = base_choice_cost(UNIT, PROFILE, TWO_NODES, "zero3")
+    assert zero3.comm_s == pytest.approx(3 * (1e-4 + 4 * P * 15 / 16 / 1e10))
+    replicate = base_choice_cost(UNIT, PROFILE, TWO_NODES, "replicate")
+    assert replicate.comm_s == pytest.approx(1e-4 + 2 * 4 * P * 15 / 16 / 1e10)
+    assert hsdp_choice_cost(UNIT, PROFILE, TWO_NODES, 8).comm_s < zero3.comm_s
+
+
+def test_zero3_reshard_keeps_the_backward_all_gather_in_the_node() -> None:
+    cost = zero3_reshard_choice_cost(UNIT, PROFILE, TWO_NODES, 8)
+    zero3 = base_choice_cost(UNIT, PROFILE, TWO_NODES, "zero3")
+    assert cost.state_bytes == zero3.state_bytes and cost.held_bytes == P * 4 // 8
+    expected = (all_gather_s(4 * P, 16, TWO_NODES) + all_gather_s(4 * P, 8, TWO_NODES)
+                + all_gather_s(4 * P, 16, TWO_NODES))
+    assert cost.comm_s == pytest.approx(expected)
+    assert cost.comm_s < zero3.comm_s
+
+
+@pytest.mark.parametrize("group", [1, 3, 16])
+def test_bad_group_sizes_are_refused(group: int) -> None:
+    with pytest.raises(ValueError, match="group size"):
+        hsdp_choice_cost(UNIT, PROFILE, TWO_NODES, group)
+
+
+def test_plans_can_choose_group_sharding_when_memory_is_tight() -> None:
+    choices = ("replicate", "zero3", *group_choices_for(TWO_NODES))
+    table = build_choice_table(PROFILE, TWO_NODES, choices=choices)
+    assert [c.choice for c in table.units[0].choices] == list(choices)
+    replicate_peak = make_plan(PROFILE, TWO_NODES, uniform_choice="replicate", choices=choices).predicted_peak_bytes
+    hsdp = make_plan(PROFILE, TWO_NODES, uniform_choice="hsdp(g=8)", choices=choices)
+    assert hsdp.predicted_peak_bytes < replicate_peak
+    tight = dataclasses.replace(TWO_NODES, memory_budget_bytes=hsdp.predicted_peak_bytes)
+    solved = make_plan(PROFILE, tight, choices=choices)
+    # With inter-node bandwidth 10x slower, group sharding beats zero3 wherever it fits.
+    assert solved.choice_of("block") in ("hsdp(g=8)", "zero3(reshard=8)")
+
+
+def test_shard_kwargs_of_group_choices() -> None:
+    shard, replicate, group_mesh = object(), object(), object()
+    meshes = Meshes(shard=shard, replicate=replicate, groups={8: group_mesh})  # type: ignore[arg-type]
+    assert shard_kwargs("hsdp(g=8)", meshes) == {"mesh": group_mesh, "reshard_after_forward": True}
+    assert shard_kwargs("zero3(reshard=8)", meshes) == {"mesh": shard, "reshard_after_forward": 8}
+    no_groups = Meshes(shard=SimpleNamespace(size=lambda: 16), replicate=replicate)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"needs a \(2, 8\) mesh"):
+        shard_kwargs("hsdp(g=8)", no_groups)

@@ -1,0 +1,75 @@
+"""Two "nodes" of two ranks on localhost (two torchrun launches with a rendezvous on 127.0.0.1):
+a plan with ``hsdp(g=2)`` and ``zero3(reshard=2)`` units trains like DDP, and its shard groups
+follow the node boundaries."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from toy_models import MLP  # noqa: E402
+
+from osdp_lightning.cost import ClusterSpec  # noqa: E402
+from osdp_lightning.dryrun import dry_run_plan  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = Path(__file__).parent / "scripts" / "hsdp_train.py"
+MIXED = ("hsdp(g=2)", "zero3(reshard=2)", "hsdp(g=2)", "replicate", "hsdp(g=2)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_two_nodes(tmp_path: Path, name: str, *args: str, timeout_s: float = 300) -> list[dict]:
+    """Run hsdp_train.py as 2 nodes x 2 ranks; return every rank's result."""
+    out, port = tmp_path / f"{name}.json", _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", f"--node-rank={node}",
+         "--master-addr=127.0.0.1", f"--master-port={port}", str(SCRIPT), *args, "--out", str(out)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    logs = [proc.communicate(timeout=timeout_s)[0] for proc in procs]
+    for node, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert proc.returncode == 0, f"{name}: node {node} failed:\n{log[-6000:]}"
+    return json.loads(out.read_text())
+
+
+def mixed_group_plan(path: Path) -> None:
+    """A dry-run plan for 2 nodes x 2 ranks whose units cycle through the group choices."""
+    cluster = ClusterSpec(world_size=4, memory_budget_bytes=2**30, collective_latency_s=1e-4,
+                          bandwidth_bytes_per_s=1.5e9, ranks_per_node=2, inter_node_bandwidth_bytes_per_s=1e9,
+                          peak_flops_per_s=5e10)
+    batch = next(iter(MLP().train_dataloader()))
+    plan = dry_run_plan(MLP, batch, cluster, uniform_choice="hsdp(g=2)")
+    units = tuple(dataclasses.replace(u, choice=MIXED[i % len(MIXED)]) for i, u in enumerate(plan.units))
+    dataclasses.replace(plan, units=units).save(path)
+
+
+def test_hsdp_across_two_nodes_matches_ddp(tmp_path: Path) -> None:
+    plan_path = tmp_path / "plan.json"
+    mixed_group_plan(plan_path)
+    hsdp = launch_two_nodes(tmp_path, "hsdp", "--strategy", "osdp", "--plan", str(plan_path))
+    ddp = launch_two_nodes(tmp_path, "ddp", "--strategy", "ddp")
+    for ours, reference in zip(hsdp, ddp, strict=True):
+        assert len(ours["losses"]) == len(reference["losses"]) == 5
+        for a, b in zip(ours["losses"], reference["losses"], strict=True):
+            assert abs(a - b) <= 1e-4 * abs(b), (ours["rank"], ours["losses"], reference["losses"])
+    # ranks 0,1 are node 0 and shard together; ranks 2,3 are node 1
+    for result in hsdp:
+        node = result["rank"] // 2
+        assert result["node_rank"] == node and (result["num_nodes"], result["local_world_size"]) == (2, 2)
+        assert result["shard_groups"] and all(ranks == [2 * node, 2 * node + 1]
+                                              for ranks in result["shard_groups"].values())
+        assert result["inter_bandwidth_bytes_per_s"] > 0 and result["intra_bandwidth_bytes_per_s"] > 0
