@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -121,23 +120,31 @@ def run_all(args: argparse.Namespace, settings: dict[str, int], work: Path) -> t
         raise SystemExit(f"the all-replicate (ddp) run failed; no budgets without it:\n{ddp.get('message')}")
     replicate_peak = int(ddp["summary"]["peak_bytes"])
     print(f"all-replicate peak per rank: {replicate_peak / 2**20:.2f} MiB; load average {load_average()}", flush=True)
-    runs, infeasible = [], set()
+    runs: list[dict] = []
+    smallest: int | None = None  # the smallest feasible osdp budget, once a run has named it
     for r in range(args.rounds):
         for method, fraction in run_order(fractions, methods, r):
-            if (method, fraction) in infeasible:
-                continue  # no plan fits: the same answer every round (the profile's bytes are exact)
+            budget = int(fraction * replicate_peak) if fraction is not None else None
             if r == 0 and method == "ddp":
                 record = ddp if "ddp" in methods else None
+            elif smallest is not None and budget is not None and budget < smallest:
+                # NOTE: no plan fits below the smallest feasible budget (exact bytes of the same
+                # profile); it is recorded once, not launched again to hear the same answer.
+                if r == 0:
+                    record = {"method": method, "budget_bytes": budget, "status": "infeasible",
+                              "smallest_feasible_bytes": smallest, "message": "below the smallest feasible budget",
+                              "wall_s": 0.0}
+                else:
+                    continue
             else:
-                budget = int(fraction * replicate_peak) if fraction is not None else None
                 label = f"r{r}_{method}" + (f"_{round(100 * fraction)}" if fraction is not None else "")
                 record = launch(method, budget, settings, args, work, label)
             if record is None:
                 continue
             record.update(round=r, fraction=fraction, load_average=load_average())
             runs.append(record)
-            if record["status"] == "infeasible":
-                infeasible.add((method, fraction))
+            if record["status"] == "infeasible" and record.get("smallest_feasible_bytes"):
+                smallest = max(smallest or 0, record["smallest_feasible_bytes"])
             print(compare_report.progress_line(record), flush=True)
     return runs, replicate_peak
 

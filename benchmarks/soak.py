@@ -17,6 +17,7 @@ import os
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +50,17 @@ def threads() -> int:
 
 
 class LeakWatch(Callback):
-    """Per-window peak RSS, file descriptors and threads of this rank."""
+    """Per-window peak RSS, file descriptors and threads of this rank; optionally where Python
+    memory grew between the end of warm-up and the end (``tracemalloc``, slow)."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace: bool = False) -> None:
         self.windows: list[dict[str, Any]] = []
+        self.growth: list[str] = []
         self._peak = 0.0
         self._start = time.monotonic()
+        self._trace, self._baseline = trace, None
+        if trace:
+            tracemalloc.start(8)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -64,6 +70,14 @@ class LeakWatch(Callback):
                                  "fds": open_fds(), "threads": threads(),
                                  "s_per_step": round((time.monotonic() - self._start) / WINDOW, 4)})
             self._peak, self._start = 0.0, time.monotonic()
+            if self._trace and len(self.windows) == WARMUP_WINDOWS:
+                self._baseline = tracemalloc.take_snapshot()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._baseline is not None:
+            diff = tracemalloc.take_snapshot().compare_to(self._baseline, "traceback")
+            self.growth = [f"{d.size_diff / 1024:+.1f} KiB in {d.count_diff:+d} blocks:\n    "
+                           + "\n    ".join(d.traceback.format()[-6:]) for d in diff[:8]]
 
 
 def verdict(windows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -91,11 +105,12 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=100)
     parser.add_argument("--ckpt-dir", default=None, help="default: a temporary directory")
     parser.add_argument("--out", default="soak.json")
+    parser.add_argument("--trace", action="store_true", help="report where Python memory grew (slow)")
     args = parser.parse_args()
     ckpt_dir = args.ckpt_dir or os.environ.setdefault("OSDP_SOAK_CKPT_DIR", tempfile.mkdtemp(prefix="osdp_soak_"))
 
     L.seed_everything(0)
-    watch = LeakWatch()
+    watch = LeakWatch(trace=args.trace)
     saver = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=args.ckpt_every,
                             save_top_k=1, save_last=True)
     trainer = L.Trainer(strategy=OSDPStrategy(memory_budget=args.budget), accelerator="cpu", devices=2,
@@ -104,14 +119,14 @@ def main() -> None:
     started = time.monotonic()
     trainer.fit(MLP(width=args.width))
     report = {"rank": trainer.global_rank, "windows": watch.windows, "verdict": verdict(watch.windows),
-              "wall_s": round(time.monotonic() - started, 1)}
+              "wall_s": round(time.monotonic() - started, 1), "python_growth": watch.growth}
     reports: list[Any] = [None] * trainer.world_size
     dist.all_gather_object(reports, report)
     if trainer.global_rank == 0:
-        print(trainer.strategy.plan.format_table())
         for r in reports:
             print(format_table(r["rank"], r["windows"]))
             print(f"rank {r['rank']}: {r['verdict']}, wall {r['wall_s']} s")
+            print("\n".join(r["python_growth"]))
         print(f"checkpoints in {ckpt_dir}: {sorted(p.name for p in Path(ckpt_dir).iterdir())}")
         Path(args.out).write_text(json.dumps({"plan": {u.name: u.choice for u in trainer.strategy.plan.units},
                                               "ranks": reports}, indent=1))

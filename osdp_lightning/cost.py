@@ -146,6 +146,8 @@ class ChoiceCost:
     prefetch_bytes: int | None = None
     """Bytes this unit already holds while a neighbour runs (FSDP2 prefetches the next all-gather,
     not its gradients); ``None`` means the whole transient."""
+    exposed_s: float = 0.0
+    """Part of ``comm_s`` no overlap hides: one launch latency per collective call."""
 
     @property
     def prefetch(self) -> int:
@@ -211,20 +213,22 @@ def base_choice_cost(unit: UnitProfile, profile: ModelProfile, cluster: ClusterS
     optim = trainable * profile.optimizer_bytes_per_param
     gathered = (trainable + frozen) * profile.compute_bytes_per_element
     compute_s = (unit.forward_s + unit.backward_s) * batch_scale
+    latency = cluster.collective_latency_s if world > 1 else 0.0
     if choice == REPLICATE:
         # NOTE: FSDP2 on a (W, 1) mesh copies the parameters into an unsharded buffer while the
         # unit runs (resharded after forward and backward, so the copy is transient; measured with
         # FSDPMemTracker). The copy is local: the only collective is the gradient all-reduce.
         return ChoiceCost(choice, stored + grads + optim, 0, gathered, compute_s,
-                          all_reduce_s(grads, world, cluster), prefetch_bytes=gathered)
+                          all_reduce_s(grads, world, cluster), prefetch_bytes=gathered, exposed_s=latency)
     sharded_state = _ceil_div(stored + grads + optim, world)
     reduce_s = reduce_scatter_s(trainable * profile.reduce_bytes_per_element, world, cluster)
     if choice == ZERO2:
         return ChoiceCost(choice, sharded_state, gathered, grads, compute_s,
-                          all_gather_s(gathered, world, cluster) + reduce_s)
+                          all_gather_s(gathered, world, cluster) + reduce_s, exposed_s=2 * latency)
     if choice == ZERO3:
         return ChoiceCost(choice, sharded_state, 0, gathered + grads, compute_s,
-                          2 * all_gather_s(gathered, world, cluster) + reduce_s, prefetch_bytes=gathered)
+                          2 * all_gather_s(gathered, world, cluster) + reduce_s, prefetch_bytes=gathered,
+                          exposed_s=3 * latency)
     raise ValueError(f"unknown base choice {choice!r}; expected one of {BASE_CHOICES}")
 
 
@@ -351,7 +355,10 @@ def split_choice_cost(unit: UnitProfile, profile: ModelProfile, cluster: Cluster
               + replicated * all_reduce_s(grads, world, cluster)
               + max(0.0, bias_s - cluster.collective_latency_s))  # rides in the enclosing unit's call
     compute_s = (unit.forward_s + unit.backward_s + overhead[k]) * batch_scale
-    return ChoiceCost(split_choice(k, sharded), state, replicated * gathered, transient, compute_s, comm_s)
+    # A neighbouring unit's run overlaps at most one prefetched slice of this one.
+    return ChoiceCost(split_choice(k, sharded), state, replicated * gathered, transient, compute_s, comm_s,
+                      prefetch_bytes=gathered if sharded else 0,
+                      exposed_s=(3 * sharded + replicated) * cluster.collective_latency_s if world > 1 else 0.0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import contextlib
 import copy
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -78,7 +79,9 @@ def fake_mode() -> FakeTensorMode:
 def build_fake_module(model: ModelSource, mode: FakeTensorMode) -> nn.Module:
     """``model`` with fake parameters and buffers: a copy of a module, or a factory's result."""
     if not isinstance(model, nn.Module):
-        with mode:
+        with mode, warnings.catch_warnings():
+            # NOTE: Tensor.__deepcopy__ (nn.TransformerEncoder clones its layer) probes data_ptr().
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             return model()
     module = copy.deepcopy(model)
     if any(t.device.type != "meta" for t in [*module.parameters(), *module.buffers()]):
@@ -131,9 +134,15 @@ def _flat_tensors(obj: object) -> list[torch.Tensor]:
 # ---------------------------------------------------------------------------------------------
 # One fake step: unit order, saved bytes, FLOPs
 # ---------------------------------------------------------------------------------------------
+def _storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+    # NOTE: a view's own fake storage is not always its base's (views of deep-copied fake
+    # parameters get a fresh one), so views are keyed by their base.
+    return (t._base if t._base is not None else t).untyped_storage()
+
+
 def _storage_key(t: torch.Tensor) -> int:
     # NOTE: fake tensors have no data pointer (0 for all); the storage object's identity tells them apart.
-    return t.untyped_storage()._cdata
+    return _storage_of(t)._cdata
 
 
 class _FakeStepRecorder:
@@ -181,7 +190,7 @@ class _FakeStepRecorder:
         key = _storage_key(tensor)
         if key not in self._param_keys and key not in self._seen:
             self._seen.add(key)
-            self.saved_bytes[self._stack[-1] if self._stack else ROOT] += tensor.untyped_storage().nbytes()
+            self.saved_bytes[self._stack[-1] if self._stack else ROOT] += _storage_of(tensor).nbytes()
         return tensor
 
 
@@ -451,3 +460,38 @@ def recipe_model_and_batch(cfg: object) -> tuple[Callable[[], nn.Module], object
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
     return (lambda: instantiate(cfg.model)), batch, datamodule.tokens_per_sample  # type: ignore[attr-defined]
+
+
+def wants_dry_run(cfg: object) -> bool:
+    """``osdp-plan``'s mode: ``dry_run=true|false``, or (default ``auto``) whenever the cluster's
+    accelerator is a GPU this machine does not have."""
+    choice = str(cfg.get("dry_run", "auto")).lower()  # type: ignore[attr-defined]
+    if choice in ("true", "false"):
+        return choice == "true"
+    return cfg.cluster.accelerator == "gpu" and not torch.cuda.is_available()  # type: ignore[attr-defined]
+
+
+def estimate_recipe_profile(cfg: object, cluster: ClusterSpec) -> tuple[ModelProfile, int]:
+    """The dry-run profile of ``cfg.model`` on a batch of ``cfg.data`` for ``cluster``, and the
+    tokens per sample. ``precision`` (default ``bf16-mixed`` on GPU clusters, else ``32-true``) and
+    ``compute_efficiency`` are read from the top level of ``cfg`` when present."""
+    from omegaconf import OmegaConf
+
+    if not cluster.peak_flops_per_s:
+        raise ValueError("a dry run needs the cluster config's peak_flops_per_s")
+    factory, batch, tokens_per_sample = recipe_model_and_batch(cfg)
+    default_precision = "bf16-mixed" if cfg.cluster.accelerator == "gpu" else "32-true"  # type: ignore[attr-defined]
+    strategy = OmegaConf.to_container(cfg.strategy, resolve=True)  # type: ignore[attr-defined]
+    units = {k: strategy[k] for k in ("unit_module_types", "unit_name_patterns", "min_unit_params")
+             if strategy.get(k) is not None}
+    profile = estimate_profile(
+        factory, batch, peak_flops_per_s=cluster.peak_flops_per_s,
+        compute_efficiency=float(cfg.get("compute_efficiency", DEFAULT_COMPUTE_EFFICIENCY)),  # type: ignore[attr-defined]
+        precision=str(cfg.get("precision", default_precision)),  # type: ignore[attr-defined]
+        split_factors=tuple(strategy.get("split_factors") or ()), **units)
+    return profile, tokens_per_sample
+
+
+def mark_dry_run(plan: Plan) -> Plan:
+    """``plan`` with its source saying that its figures are estimates from a cluster description."""
+    return plan if DRY_RUN_SOURCE in plan.source else dataclasses.replace(plan, source=f"{plan.source}; {DRY_RUN_SOURCE}")

@@ -174,8 +174,9 @@ def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
                   device: torch.device, repeats: int = 3) -> tuple[list[UnitProfile], int, float]:
     """Profile ``run_loss`` (forward returning a loss) plus backward ``repeats`` times.
 
-    Returns the unit profiles in execution order (root last), the total saved-for-backward bytes
-    and the median step seconds. Gradients, buffers and RNG state are restored afterwards.
+    Returns the unit profiles in execution order (root last), the activation bytes (saved for
+    backward, or the measured peak of activations and temporaries if larger) and the median step
+    seconds. Gradients, buffers and RNG state are restored afterwards.
     """
     with preserved_state(root):
         warmup = _measure_step(root, specs, run_loss, device)  # also: allocator, lazy init, caches
@@ -187,12 +188,40 @@ def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
         for _ in range(repeats):
             samples.append(_measure_step(root, specs, run_loss, device))
             root.zero_grad(set_to_none=True)
+        peak_bytes = measure_activation_peak(root, run_loss, device)
+        root.zero_grad(set_to_none=True)
     first = samples[0]
     by_name = {s.name: s for s in specs}
     owned = owned_params(root, specs)
     units = [_unit_profile(n, by_name[n].module_names, owned[n], root, samples) for n in first.order if n in by_name]
     units.append(_unit_profile(ROOT, (ROOT,), owned[ROOT], root, samples))
-    return units, sum(first.saved_bytes.values()), statistics.median(s.step_s for s in samples)
+    activation_bytes = max(sum(first.saved_bytes.values()), peak_bytes)
+    return units, activation_bytes, statistics.median(s.step_s for s in samples)
+
+
+def measure_activation_peak(root: nn.Module, run_loss: Callable[[], torch.Tensor], device: torch.device) -> int:
+    """Peak bytes of one forward+backward that are neither parameters nor gradients.
+
+    Saved-for-backward bytes miss the temporaries of backward (the gradient of the logits, of
+    softmax, ...), which can exceed the parameters of a small model. PyTorch's own trackers see
+    them: the CUDA allocator's peak on GPUs, ``MemTracker`` (its categories) on CPU.
+    """
+    grad_bytes = sum(p.numel() * p.element_size() for p in root.parameters() if p.requires_grad)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run_loss().backward()
+        torch.cuda.synchronize(device)
+        return max(torch.cuda.max_memory_allocated(device) - before - grad_bytes, 0)
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(root)
+    with tracker:
+        run_loss().backward()
+    peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    return sum(v for k, v in peak.items() if str(k).rsplit(".", 1)[-1] in ("ACT", "TEMP", "INP", "OTH"))
 
 
 def _unit_profile(name: str, module_names: tuple[str, ...], params: list[nn.Parameter], root: nn.Module,

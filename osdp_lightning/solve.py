@@ -7,9 +7,9 @@ The integer program, for one :class:`~osdp_lightning.cost.ChoiceTable` (all byte
   order (``tr[u] = sum_c transient[u,c] x[u,c]``, ``pf`` likewise with ``prefetch``): FSDP2
   prefetches a neighbour's all-gather while a unit runs, in forward and in backward;
 - memory: ``sum(state + held) x + T + activation_bytes + fixed_bytes <= budget``;
-- minimise ``sum(compute) x + sum_u e[u]`` with ``e[u] = max(0, comm[u,c] - overlap[u])`` of the
-  chosen ``c``. Because exactly one ``x[u,c]`` is 1, that max is the linear term
-  ``sum_c max(0, comm[u,c] - overlap[u]) x[u,c]``: the ``e >= ...`` rows are folded into the
+- minimise ``sum(compute) x + sum_u e[u]`` with ``e[u] = max(exposed[u,c], comm[u,c] - overlap[u])``
+  of the chosen ``c`` (``exposed``: the latency no overlap hides). Because exactly one ``x[u,c]``
+  is 1, that max is the linear term ``sum_c max(exposed, comm[u,c] - overlap[u]) x[u,c]``: the ``e >= ...`` rows are folded into the
   objective, which is exact and gives CBC a tighter relaxation than separate ``e`` variables.
 
 Exact to the byte although CBC works in floating point: bytes enter it divided by a power of ten
@@ -101,8 +101,9 @@ def peak_bytes(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> int:
 
 
 def _choice_step_s(unit: UnitCosts, cost: ChoiceCost) -> float:
-    # Only the part of a collective that neighbouring compute cannot hide costs time.
-    return cost.compute_s + max(0.0, cost.comm_s - unit.overlap_s)
+    # Only the part of a collective that neighbouring compute cannot hide costs time, and never
+    # less than its exposed part (one launch latency per collective call).
+    return cost.compute_s + max(cost.exposed_s, cost.comm_s - unit.overlap_s)
 
 
 def step_seconds(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> float:

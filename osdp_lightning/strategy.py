@@ -75,7 +75,8 @@ class OSDPStrategy(ModelParallelStrategy):
         split_factors: Slice counts the ILP may split Linear layers into; ``()`` turns it off.
         unit_module_types / unit_name_patterns: Which modules are units (default: leaf modules
             with at least ``min_unit_params`` parameters).
-        overlap_efficiency: Override the measured share of communication hidden by compute.
+        overlap_efficiency: Share of communication hidden by compute. Default: measured at setup on
+            CUDA; 0 on CPU (gloo competes with compute for the same cores).
         save_distributed_checkpoint: Sharded (default) or one consolidated checkpoint file.
     """
 
@@ -243,9 +244,14 @@ class OSDPStrategy(ModelParallelStrategy):
 
     def _cluster_spec(self) -> ClusterSpec:
         budget = self.memory_budget_bytes or default_memory_budget(self.root_device, self.num_processes)
+        overlap = self.overlap_efficiency
+        if overlap is None and self.root_device.type != "cuda":
+            # NOTE: on CPU, gloo's collectives compete with compute for the same cores and the
+            # measured figure is noise on a shared machine: CPU plans assume no overlap.
+            overlap = 0.0
         return live_cluster_spec(
             world_size=self.world_size, ranks_per_node=self.num_processes, memory_budget_bytes=budget,
-            timings=self._timings, node_timings=self._node_timings, overlap_efficiency=self.overlap_efficiency,
+            timings=self._timings, node_timings=self._node_timings, overlap_efficiency=overlap,
             headroom_bytes=int(budget * PLAN_HEADROOM_FRACTION))
 
     # -- checkpoints: keys of the unwrapped LightningModule (osdp_lightning/checkpoint.py) ---------

@@ -51,7 +51,7 @@ def test_osdp_train_prints_plan_and_summary_and_writes_metrics(tmp_path: Path) -
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["predicted_peak_bytes"] <= plan["memory_budget_bytes"]
     assert {u["choice"] for u in plan["units"]} != {"replicate"}  # the budget forces some sharding
-    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    rows = list(csv.DictReader((run_dir / "csv" / "metrics.csv").open()))
     assert len([r for r in rows if r.get("train/loss")]) == 5
 
 
@@ -71,7 +71,7 @@ def test_sweep_runs_every_recipe_with_osdp_and_summarises(tmp_path: Path) -> Non
     markdown = (sweep_dir / "sweep_summary.md").read_text()
     assert markdown.count("| ok |") == 3 and "sweep summary: 3 jobs" in proc.stdout
     for job in ("0", "1", "2"):
-        assert (sweep_dir / job / "metrics.csv").exists() and (sweep_dir / job / "plan.json").exists()
+        assert (sweep_dir / job / "csv" / "metrics.csv").exists() and (sweep_dir / job / "plan.json").exists()
 
 
 def test_osdp_plan_compares_osdp_with_the_baselines(tmp_path: Path) -> None:

@@ -111,7 +111,7 @@ def test_trainer_instantiates_with_osdp_on_cpu_2(trainer: str, tmp_path: Path) -
 def test_logger_instantiates(logger: str, tmp_path: Path) -> None:
     cfg = compose_train(f"logger={logger}", f"output_dir={tmp_path}")
     for entry in cfg.logger.values():
-        assert Path(instantiate(entry).log_dir) == tmp_path
+        assert Path(instantiate(entry).log_dir) == tmp_path / "csv"
 
 
 @pytest.mark.parametrize("experiment", options("experiment"))

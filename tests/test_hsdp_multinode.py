@@ -73,3 +73,12 @@ def test_hsdp_across_two_nodes_matches_ddp(tmp_path: Path) -> None:
         assert result["shard_groups"] and all(ranks == [2 * node, 2 * node + 1]
                                               for ranks in result["shard_groups"].values())
         assert result["inter_bandwidth_bytes_per_s"] > 0 and result["intra_bandwidth_bytes_per_s"] > 0
+
+
+def test_strategy_solves_a_two_node_run_from_live_timings(tmp_path: Path) -> None:
+    results = launch_two_nodes(tmp_path, "solved", "--strategy", "osdp", "--budget", "3MiB")
+    plans = [r["plan"] for r in results]
+    assert all(plan == plans[0] for plan in plans)  # one plan, broadcast from rank 0
+    assert plans[0]["world_size"] == 4 and plans[0]["predicted_peak_bytes"] <= 3 * 2**20
+    assert all(r["strategy_measured_nodes"] for r in results)
+    assert all(len(r["losses"]) == 5 and all(loss == loss for loss in r["losses"]) for r in results)

@@ -49,8 +49,10 @@ def random_table(seed: int) -> ChoiceTable:
         transient = rng.randint(0, 1500 * factor)
         # Half the choices prefetch only part of their transient (zero3: parameters, not gradients).
         prefetch = rng.randint(0, transient) if rng.random() < 0.5 else None
+        comm = rng.uniform(0.0, 1.0)
+        exposed = rng.uniform(0.0, comm) if rng.random() < 0.5 else 0.0  # latency overlap cannot hide
         return (name, rng.randint(0, 1000 * factor), held, transient,
-                rng.uniform(0.0, 1.0), rng.uniform(0.0, 1.0), prefetch)
+                rng.uniform(0.0, 1.0), comm, prefetch, exposed)
 
     units = []
     for _ in range(rng.randint(1, 8)):
@@ -71,7 +73,7 @@ def evaluate(table: ChoiceTable, combo: tuple[ChoiceCost, ...], pair_term: bool 
              for u in range(len(combo) - 1)] if pair_term else []
     peak = (sum(c.state_bytes + c.held_bytes for c in combo) + max(transients + pairs)
             + table.activation_bytes + table.fixed_bytes)
-    step = sum(c.compute_s + max(0.0, c.comm_s - (u.overlap_s if overlap else 0.0))
+    step = sum(c.compute_s + max(c.exposed_s, c.comm_s - (u.overlap_s if overlap else 0.0))
                for u, c in zip(table.units, combo, strict=True))
     return peak, step
 

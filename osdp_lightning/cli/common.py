@@ -36,8 +36,7 @@ def check_cluster_runs_here(cluster: DictConfig, what: str) -> None:
         raise ClusterMismatchError(
             f"{what}: cluster={cluster.name} is {cluster_world_size(cluster)} GPUs "
             f"({cluster.devices_per_node} per node x {cluster.nodes} nodes) and this machine has no GPU. "
-            "Use cluster=cpu_2 here; planning for clusters you do not have is the dry-run mode "
-            "(not available yet).")
+            "Use cluster=cpu_2 here; to plan for a cluster you do not have, run osdp-plan (a dry run).")
 
 
 def choice_names() -> dict[str, str]:

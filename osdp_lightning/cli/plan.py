@@ -29,7 +29,8 @@ from osdp_lightning.cli.common import (
     output_dir,
     write_json,
 )
-from osdp_lightning.cost import BASE_CHOICES, ClusterSpec, split_choices_for
+from osdp_lightning import dryrun
+from osdp_lightning.cost import BASE_CHOICES, ClusterSpec, group_choices_for, split_choices_for
 from osdp_lightning.plan import InfeasibleBudgetError, Plan, make_plan
 from osdp_lightning.profile import ModelProfile, measure_split_overheads, profile_lightning_module
 from osdp_lightning.strategy import AUTO_BATCH_FACTORS
@@ -86,7 +87,7 @@ def _batch_candidates(profile: ModelProfile, micro_batch_size: Any) -> tuple[int
 def plan_all(profile: ModelProfile, cluster: ClusterSpec, cfg: DictConfig) -> dict[str, Plan | str]:
     """The osdp plan and the three baselines; the text of the error where osdp fits nothing."""
     candidates = _batch_candidates(profile, cfg.strategy.micro_batch_size)
-    choices = BASE_CHOICES + split_choices_for(tuple(cfg.strategy.split_factors))
+    choices = BASE_CHOICES + split_choices_for(tuple(cfg.strategy.split_factors)) + group_choices_for(cluster)
     plans: dict[str, Plan | str] = {}
     try:
         plans["osdp"] = make_plan(profile, cluster, micro_batch_sizes=candidates, choices=choices)
@@ -143,17 +144,25 @@ def comparison_rows(plans: dict[str, Plan | str], tokens_per_sample: int) -> lis
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="plan")
 def main(cfg: DictConfig) -> None:
     """Console script ``osdp-plan``."""
-    check_cluster_runs_here(cfg.cluster, "osdp-plan")
+    dry = dryrun.wants_dry_run(cfg)  # a GPU cluster this machine does not have, or dry_run=true
+    if not dry:
+        check_cluster_runs_here(cfg.cluster, "osdp-plan")
     pl.seed_everything(cfg.seed, verbose=False)
     names = choice_names()
     cluster = cluster_spec(cfg.cluster)
+    how = "DRY RUN: estimated from the cluster description, no GPU used" if dry else "profiling on this machine"
     print(f"== osdp-plan: {names['model']} on {names['cluster']} ({cluster.world_size} ranks, budget "
-          f"{format_bytes(cluster.memory_budget_bytes)} per rank); profiling on this machine ==", flush=True)
-    profile, tokens_per_sample = profile_recipe(cfg)
+          f"{format_bytes(cluster.memory_budget_bytes)} per rank); {how} ==", flush=True)
+    profile, tokens_per_sample = dryrun.estimate_recipe_profile(cfg, cluster) if dry else profile_recipe(cfg)
     plans = plan_all(profile, cluster, cfg)
+    if dry:
+        plans = {name: dryrun.mark_dry_run(plan) if isinstance(plan, Plan) else plan for name, plan in plans.items()}
     out = output_dir()
     osdp = plans["osdp"]
-    print(osdp.format_table() if isinstance(osdp, Plan) else f"osdp: {osdp}")
+    if isinstance(osdp, Plan):
+        print(dryrun.format_dry_run(osdp, cluster, cluster_name=names["cluster"]) if dry else osdp.format_table())
+    else:
+        print(f"osdp: {osdp}")
     for name, plan in plans.items():
         if isinstance(plan, Plan):
             plan.save(out / ("plan.json" if name == "osdp" else f"plan_{name}.json"))

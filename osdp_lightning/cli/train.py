@@ -5,7 +5,7 @@
 
 One run: Hydra composes the config; Lightning's subprocess launcher starts the other ranks by
 re-running this command line with the same ``hydra.run.dir``. Each rank writes into that
-directory; rank 0 writes ``metrics.csv`` (CSV logger), ``plan.json`` and ``summary.json``.
+directory; rank 0 writes ``csv/metrics.csv`` (CSV logger), ``plan.json`` and ``summary.json``.
 
 A sweep (``-m``): the ranks of a job cannot be started by re-running a multirun command line
 (every child would start the whole sweep again), so each job of the sweep runs as a fresh
@@ -70,7 +70,7 @@ def report(trainer: pl.Trainer, summary: TrainingSummary, cfg: DictConfig) -> di
     print(plan.format_table())
     print()
     print(summary.format())
-    print(f"outputs: {out} (metrics.csv, plan.json, summary.json)")
+    print(f"outputs: {out} (csv/metrics.csv, plan.json, summary.json)")
     return row
 
 

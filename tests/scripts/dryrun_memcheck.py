@@ -154,7 +154,12 @@ def main() -> None:
             predicted = plan.predicted_peak_bytes
             diff = (predicted - tracked["peak_bytes"]) / tracked["peak_bytes"]
             counts = {c: sum(u.choice == c for u in plan.units) for c in sorted({u.choice for u in plan.units})}
+            # NOTE: cost.py charges replicated units' whole gradients on top of the activations; with
+            # zero_grad(set_to_none=True) they never coexist with the forward-end peak the tracker sees.
+            replicate_grad_bytes = sum(u.param_count for u in plan.units if u.choice == "replicate") * \
+                profile.grad_bytes_per_element
             rows.append({"model": args.model, "world_size": world_size, "plan": name, "predicted_bytes": predicted,
+                         "replicate_grad_bytes": replicate_grad_bytes,
                          "tracked_bytes": tracked["peak_bytes"], "relative_diff": diff, "choices": counts,
                          "tracked_categories": tracked["categories"], "track_s": time.perf_counter() - start})
             print(f"{world_size:>5}  {name:<18} {format_bytes(predicted):>11} {format_bytes(tracked['peak_bytes']):>11} "

@@ -6,7 +6,8 @@ Started once per node by ``torchrun`` (see ``tests/test_hsdp_multinode.py``)::
         --master-addr=127.0.0.1 --master-port=29533 hsdp_train.py --strategy osdp --plan plan.json --out r.json
 
 Lightning sees torchrun's environment (``num_nodes=2``, ``devices=2``). With ``--strategy osdp``
-the given plan is applied (it may hold ``hsdp(g=2)`` and ``zero3(reshard=2)`` units); with
+the given plan is applied (it may hold ``hsdp(g=2)`` and ``zero3(reshard=2)`` units), or without
+one the strategy times the links inside and across the nodes and solves its own; with
 ``--strategy ddp`` Lightning's own DDP trains the same model on the same data as the reference.
 Rank 0 writes every rank's losses, its node, the ranks its hsdp shard group holds, and the
 collective timings measured inside and across the nodes.
@@ -48,14 +49,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="mlp", choices=sorted(MODELS))
     parser.add_argument("--strategy", default="osdp", choices=["osdp", "ddp"])
-    parser.add_argument("--plan", default=None)
+    parser.add_argument("--plan", default=None, help="plan JSON to apply (default: the strategy solves)")
+    parser.add_argument("--budget", default=None, help="memory budget when the strategy solves")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     L.seed_everything(0, workers=True)
     model = MODELS[args.model]()
-    strategy = OSDPStrategy(plan=args.plan) if args.strategy == "osdp" else "ddp"
+    strategy = OSDPStrategy(plan=args.plan, memory_budget=args.budget) if args.strategy == "osdp" else "ddp"
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, num_nodes=2, max_steps=args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, deterministic=True)
@@ -67,6 +69,8 @@ def main() -> None:
     plan = getattr(trainer.strategy, "_plan", None)
     result = {"rank": trainer.global_rank, "node_rank": trainer.node_rank, "losses": model.losses,
               "shard_groups": hsdp_shard_groups(model, plan.to_dict()["units"]) if plan else {},
+              "plan": plan.to_dict() if plan else None,
+              "strategy_measured_nodes": getattr(trainer.strategy, "_node_timings", None) is not None,
               "num_nodes": spec.num_nodes, "local_world_size": spec.local_world_size,
               "intra_bandwidth_bytes_per_s": timings.intra_bandwidth_bytes_per_s,
               "inter_bandwidth_bytes_per_s": timings.inter_bandwidth_bytes_per_s,

@@ -1,0 +1,217 @@
+"""Tables, CSV files, target verdicts and the plot of :mod:`benchmarks.compare`.
+
+Rows aggregate the rounds of one method (and budget): medians of throughput and step seconds,
+the largest measured peak (a budget must hold in every run), the worst memory-prediction error,
+and throughput ratios taken round by round (run r of osdp against run r of ddp), so that a slow
+round slows both sides of a ratio alike.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+MIB = 2**20
+MEM_ERROR_TARGET, STEP_ERROR_TARGET = 0.10, 0.20
+
+
+def label_of(method: str, fraction: float | None) -> str:
+    return method if fraction is None else f"{method} @ {100 * fraction:.0f}%"
+
+
+def progress_line(record: dict[str, Any]) -> str:
+    head = f"  round {record['round']}  {label_of(record['method'], record['fraction']):<12}"
+    if record["status"] == "infeasible":
+        return f"{head} does not fit (smallest {_mib(record.get('smallest_feasible_bytes'))} MiB)"
+    if record["status"] != "ok":
+        return f"{head} ERROR ({record['message'].splitlines()[0] if record['message'] else ''})"
+    s = record["summary"]
+    return (f"{head} {s['tokens_per_s']:8.0f} tokens/s  step {s['step_s']:.4f} s (predicted "
+            f"{s['predicted_step_s']:.4f})  peak {_mib(s['peak_bytes'])} MiB (predicted "
+            f"{_mib(s['predicted_peak_bytes'])})  [{record['wall_s']:.0f} s, load {record['load_average']}]")
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / MIB:.2f}"
+
+
+def _error(predicted: float, measured: float) -> float:
+    return predicted / measured - 1 if measured else float("nan")
+
+
+def _paired_ratio(runs: list[dict], by_round: dict[int, dict]) -> float | None:
+    ratios = [r["summary"]["tokens_per_s"] / by_round[r["round"]]["summary"]["tokens_per_s"]
+              for r in runs if r["round"] in by_round]
+    return statistics.median(ratios) if ratios else None
+
+
+def _ok_by_round(runs: list[dict], method: str) -> dict[int, dict]:
+    return {r["round"]: r for r in runs if r["method"] == method and r["fraction"] is None and r["status"] == "ok"}
+
+
+def _choices_text(runs: list[dict]) -> str:
+    texts = [", ".join(f"{c} x{n}" for c, n in sorted(r["choices"].items())) for r in runs]
+    common = max(set(texts), key=texts.count)
+    return common + (f" (plans differed across rounds: {len(set(texts))})" if len(set(texts)) > 1 else "")
+
+
+def _row_of(group: list[dict], runs: list[dict], baseline_peaks: dict[str, int]) -> dict[str, Any]:
+    first = group[0]
+    row: dict[str, Any] = {"method": label_of(first["method"], first["fraction"]), "fraction": first["fraction"],
+                           "budget_bytes": first.get("budget_bytes"), "runs": len(group)}
+    ok = [r for r in group if r["status"] == "ok"]
+    if not ok:
+        row["status"] = ("does not fit (smallest: " + _mib(first.get("smallest_feasible_bytes")) + " MiB)"
+                         if first["status"] == "infeasible" else "error")
+        return row
+    summaries = [r["summary"] for r in ok]
+    mem_errors = [_error(s["predicted_peak_bytes"], s["peak_bytes"]) for s in summaries]
+    step_errors = [_error(s["predicted_step_s"], s["step_s"]) for s in summaries]
+    row.update(
+        status="ok", choices=_choices_text(ok),
+        tokens_per_s=statistics.median(s["tokens_per_s"] for s in summaries),
+        step_s=statistics.median(s["step_s"] for s in summaries),
+        predicted_step_s=statistics.median(s["predicted_step_s"] for s in summaries),
+        step_error=statistics.median(step_errors), step_error_worst=max(step_errors, key=abs),
+        peak_bytes=max(s["peak_bytes"] for s in summaries),
+        predicted_peak_bytes=statistics.median(s["predicted_peak_bytes"] for s in summaries),
+        mem_error_worst=max(mem_errors, key=abs),
+        x_ddp=_paired_ratio(ok, _ok_by_round(runs, "ddp")), x_zero3=_paired_ratio(ok, _ok_by_round(runs, "zero3")))
+    if first["fraction"] is not None:
+        row["within_budget"] = all(s["peak_bytes"] <= first["budget_bytes"] for s in summaries)
+        fitting = [m for m, peak in baseline_peaks.items() if peak <= first["budget_bytes"]]
+        ratios = {m: _paired_ratio(ok, _ok_by_round(runs, m)) for m in fitting}
+        ratios = {m: x for m, x in ratios.items() if x is not None}
+        if ratios:  # the fastest baseline that fits this budget is the one to beat
+            best = min(ratios, key=ratios.get)
+            row.update(best_fitting=best, x_best_fitting=ratios[best])
+    for key in ("forward_s", "backward_s", "optimizer_s"):
+        values = [r["phases"][key] for r in ok if key in r.get("phases", {})]
+        row[key] = statistics.median(values) if values else None
+    row["profile_step_s"] = statistics.median(r["profile_step_s"] or 0.0 for r in ok)
+    row["predicted_comm_s"] = statistics.median(sum(u["predicted_comm_s"] for u in r["plan"]["units"]) for r in ok)
+    for key in ("calibrate_s", "profile_s", "solve_s", "apply_s"):
+        row[key] = statistics.median(r["setup_s"].get(key, 0.0) for r in ok)
+    return row
+
+
+def aggregate(runs: list[dict], replicate_peak: int) -> list[dict[str, Any]]:
+    """One row per method (and osdp budget), in the order the methods were first run."""
+    groups: dict[tuple[str, float | None], list[dict]] = {}
+    for run in sorted(runs, key=lambda r: r["round"]):
+        groups.setdefault((run["method"], run["fraction"]), []).append(run)
+    baseline_peaks = {m: max(r["summary"]["peak_bytes"] for r in g if r["status"] == "ok")
+                      for (m, f), g in groups.items() if f is None and any(r["status"] == "ok" for r in g)}
+    return [_row_of(group, runs, baseline_peaks) for group in groups.values()]
+
+
+def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
+    if value is None or value != value:
+        return "-"
+    return f"{value:{spec}}{suffix}"
+
+
+def results_table(rows: list[dict[str, Any]]) -> str:
+    head = ("| method | budget MiB | tokens/s | x ddp | x zero3 | x best baseline that fits | peak MiB (measured) "
+            "| peak MiB (predicted) | mem err | within budget | step s | step s (predicted) | step err | plan |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        budget = _mib(r["budget_bytes"])
+        if r["status"] != "ok":
+            lines.append(f"| {r['method']} | {budget} | {r['status']} |" + " |" * 11)
+            continue
+        best = (f"{r['x_best_fitting']:.2f} ({r['best_fitting']})" if r.get("best_fitting")
+                else ("none fits" if r["fraction"] is not None else "-"))
+        within = {True: "yes", False: "**NO**", None: "-"}[r.get("within_budget")]
+        lines.append(
+            f"| {r['method']} | {budget} | {r['tokens_per_s']:.0f} | {_fmt(r['x_ddp'])} | {_fmt(r['x_zero3'])} "
+            f"| {best} | {_mib(r['peak_bytes'])} | {_mib(r['predicted_peak_bytes'])} "
+            f"| {_fmt(100 * r['mem_error_worst'], '+.1f', '%')} | {within} | {r['step_s']:.4f} "
+            f"| {r['predicted_step_s']:.4f} | {_fmt(100 * r['step_error'], '+.1f', '%')} | {r['choices']} |")
+    return "\n".join(lines)
+
+
+def breakdown_table(rows: list[dict[str, Any]]) -> str:
+    """Where the measured step goes, against what the cost model adds up."""
+    lines = ["| method | measured step s | forward s | backward s | optimizer s | other s | profiled fwd+bwd s "
+             "(unsharded) | predicted comm s | predicted step s | setup: calibrate / profile / solve / apply s |",
+             "|" + "---|" * 10]
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        phases = [r["forward_s"], r["backward_s"], r["optimizer_s"]]
+        other = r["step_s"] - sum(phases) if None not in phases else None
+        setup = " / ".join(f"{r[k]:.2f}" for k in ("calibrate_s", "profile_s", "solve_s", "apply_s"))
+        lines.append(f"| {r['method']} | {r['step_s']:.4f} | " + " | ".join(_fmt(p, '.4f') for p in phases)
+                     + f" | {_fmt(other, '.4f')} | {r['profile_step_s']:.4f} | {r['predicted_comm_s']:.4f} "
+                     f"| {r['predicted_step_s']:.4f} | {setup} |")
+    return "\n".join(lines)
+
+
+def verdicts(rows: list[dict[str, Any]], runs: list[dict]) -> list[str]:
+    """The issue's targets, each with the numbers behind its verdict."""
+    by_fraction = {r["fraction"]: r for r in rows if r["fraction"] is not None and r["status"] == "ok"}
+    osdp_runs = [r for r in runs if r["method"] == "osdp" and r["status"] == "ok"]
+    over = [r for r in osdp_runs if r["summary"]["peak_bytes"] > r["budget_bytes"]]
+    worst = max((r["summary"]["peak_bytes"] / r["budget_bytes"] for r in osdp_runs), default=float("nan"))
+    lines = [f"- osdp never exceeds its budget (measured peak): {'MET' if not over else 'MISSED'} "
+             f"({len(osdp_runs)} runs, highest peak/budget {100 * worst:.1f}%)"]
+    for fraction, key, target, name in ((1.0, "x_ddp", 0.95, "ddp"), (0.7, "x_zero3", 1.10, "zero3")):
+        row = by_fraction.get(fraction)
+        value = row.get(key) if row else None
+        verdict = "n/a (not run or no plan fits)" if value is None else ("MET" if value >= target else "MISSED")
+        lines.append(f"- at {100 * fraction:.0f}% budget osdp >= {target:.2f}x {name} throughput: {verdict}"
+                     + (f" ({value:.3f}x)" if value is not None else ""))
+    ok = [r for r in runs if r["status"] == "ok"]
+    for key, measured, target, name in (("predicted_peak_bytes", "peak_bytes", MEM_ERROR_TARGET, "memory"),
+                                        ("predicted_step_s", "step_s", STEP_ERROR_TARGET, "step-time")):
+        errors = [_error(r["summary"][key], r["summary"][measured]) for r in ok]
+        worst_error = max(errors, key=abs) if errors else float("nan")
+        met = all(abs(e) <= target for e in errors)
+        lines.append(f"- {name} prediction error <= {100 * target:.0f}% in every run: {'MET' if met else 'MISSED'} "
+                     f"(worst {100 * worst_error:+.1f}%, median |error| "
+                     f"{100 * statistics.median(abs(e) for e in errors) if errors else float('nan'):.1f}%)")
+    return lines
+
+
+_RUN_FIELDS = ("round", "method", "fraction", "status", "budget_bytes", "tokens_per_s", "step_s", "predicted_step_s",
+               "peak_bytes", "predicted_peak_bytes", "forward_s", "backward_s", "optimizer_s", "choices",
+               "smallest_feasible_bytes", "load_average", "wall_s")
+
+
+def _run_csv_row(run: dict) -> dict[str, Any]:
+    row = {k: run.get(k) for k in _RUN_FIELDS}
+    row.update({k: v for k, v in run.get("summary", {}).items() if k in _RUN_FIELDS})
+    row.update(run.get("phases", {}))
+    row["choices"] = json.dumps(run.get("choices")) if run.get("choices") else None
+    return row
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]], fields: list[str] | tuple[str, ...]) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(fields), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_outputs(out_dir: Path, machine: dict[str, Any], rows: list[dict[str, Any]], runs: list[dict],
+                  plot: bool = True) -> str:
+    """Write compare.md / .csv / _runs.csv / _runs.json (and compare.png); return the markdown."""
+    fields = sorted({k for r in rows for k in r}, key=lambda k: (k != "method", k))
+    write_csv(out_dir / "compare.csv", rows, fields)
+    write_csv(out_dir / "compare_runs.csv", [_run_csv_row(r) for r in runs], _RUN_FIELDS + ())
+    (out_dir / "compare_runs.json").write_text(json.dumps({"machine": machine, "runs": runs}, indent=1,
+                                                          default=str) + "\n")
+    parts = [f"machine: {json.dumps(machine, default=str)}", "", results_table(rows), "",
+             breakdown_table(rows), "", "targets:", *verdicts(rows, runs)]
+    if plot:
+        from benchmarks.compare_plot import plot_results
+
+        plot_results(out_dir / "compare.png", rows, runs, machine)
+        parts.append(f"plot: {out_dir / 'compare.png'}")
+    text = "\n".join(parts)
+    (out_dir / "compare.md").write_text(text + "\n")
+    return text
