@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import compare_report
+from recipes.text import python_docs_corpus
 
 BASELINES = ("ddp", "zero2", "zero3")
 DEFAULT_FRACTIONS = (1.0, 0.85, 0.7, 0.55, 0.4)
@@ -37,6 +38,7 @@ PRESETS: dict[str, dict[str, int]] = {
     "cuda": {"n_layer": 12, "n_embd": 1024, "n_head": 16, "seq_len": 256, "batch_size": 8, "steps": 30},
 }
 MODEL_ARGS = ("n_layer", "n_embd", "n_head", "seq_len", "batch_size", "steps")
+CORPUS_FILE = "corpus.txt"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +72,7 @@ def worker_command(method: str, budget: int | None, settings: dict[str, int], ar
     cmd = [sys.executable, "-m", "benchmarks.compare_worker", "--method", method, "--out", str(out),
            "--accelerator", args.accelerator, "--devices", str(args.devices), "--seed", str(args.seed)]
     cmd += [arg for k, v in settings.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
+    cmd += ["--text-file", str(out.parent / CORPUS_FILE)]
     return cmd + (["--budget", str(budget)] if budget is not None else [])
 
 
@@ -176,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"osdp-bench: GPT {settings} on {args.devices} x {args.accelerator}, {args.rounds} round(s); "
           f"load average {load_start}", flush=True)
     with tempfile.TemporaryDirectory(prefix="osdp-bench-") as tmp:
+        # NOTE: the default corpus is parsed from the stdlib's sources (seconds per process); every
+        # run reads the same text from one file instead.
+        (Path(tmp) / CORPUS_FILE).write_text(python_docs_corpus(), encoding="utf-8")
         runs, replicate_peak = run_all(args, settings, Path(tmp))
     params = next((r.get("param_count") for r in runs if r.get("param_count")), None)
     machine = describe_machine(args, settings, params)

@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--split-factors", default="2,4,8")
+    parser.add_argument("--text-file", default=None, help="training text (default: CPython's docs, parsed per run)")
     parser.add_argument("--out", required=True)
     return parser
 
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> tuple[L.Trainer, dict[str, Any]]:
     L.seed_everything(args.seed, workers=True)
     config = GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd, dropout=0.0)
-    data = GPTDataModule(seq_len=args.seq_len, batch_size=args.batch_size)
+    data = GPTDataModule(seq_len=args.seq_len, batch_size=args.batch_size, text_files=args.text_file)
     module = GPTLitModule(GPT(config))
     summary, phases = TrainingSummary(tokens_per_sample=data.tokens_per_sample), PhaseTimer()
     trainer = build_trainer(args, [summary, phases])

@@ -126,7 +126,8 @@ def main() -> None:
         for r in reports:
             print(format_table(r["rank"], r["windows"]))
             print(f"rank {r['rank']}: {r['verdict']}, wall {r['wall_s']} s")
-            print("\n".join(r["python_growth"]))
+            if r["python_growth"]:
+                print("\n".join(r["python_growth"]))
         print(f"checkpoints in {ckpt_dir}: {sorted(p.name for p in Path(ckpt_dir).iterdir())}")
         Path(args.out).write_text(json.dumps({"plan": {u.name: u.choice for u in trainer.strategy.plan.units},
                                               "ranks": reports}, indent=1))

@@ -115,10 +115,10 @@ def _move_into_place(partial: Path, path: Path, token: str) -> None:
         os.replace(path, old)
     # NOTE: between these two renames ``path`` is missing; check_checkpoint points at the old copy.
     os.replace(partial, path)
+    _fsync_dir(path.parent)  # the new version is durably in place before the old one goes
     _remove(old)
     for stale in path.parent.glob(f".{path.name}{_PARTIAL}*"):  # from earlier interrupted saves
         _remove(stale)
-    _fsync_dir(path.parent)
 
 
 def _remove(path: Path) -> None:

@@ -39,6 +39,7 @@ from osdp_lightning.profile import (
     _loss_runner,
     _tensor_bytes,
     batch_size_of,
+    measure_activation_peak,
     optimizer_state_bytes_per_param,
     preserved_rng,
 )
@@ -260,12 +261,21 @@ def _run_fake_step(module: nn.Module, specs: Sequence[UnitSpec], run_loss: Calla
     return _FakeStep(recorder.order, recorder.saved_bytes, recorder.output_numel, forward, backward)
 
 
-def _saved_bytes(module: nn.Module, specs: Sequence[UnitSpec], run_loss: Callable[[], torch.Tensor]) -> int:
-    """Bytes saved for backward by one fake forward (no backward needed)."""
+def _activation_peak(module: nn.Module, run_loss: Callable[[], torch.Tensor]) -> int:
+    """profile.py's peak of activations and backward temporaries, on the fake module."""
+    with preserved_rng(), _logging_disabled(module):
+        peak = measure_activation_peak(module, run_loss, torch.device("cpu"))
+    module.zero_grad(set_to_none=True)
+    return peak
+
+
+def _activation_bytes(module: nn.Module, specs: Sequence[UnitSpec], run_loss: Callable[[], torch.Tensor]) -> int:
+    """What the measured profile calls activation bytes: those saved for backward, or the peak of
+    activations and backward temporaries if that is larger."""
     recorder = _FakeStepRecorder(module, specs)
     with preserved_rng(), _logging_disabled(module), recorder.installed():
         run_loss()
-    return sum(recorder.saved_bytes.values())
+    return max(sum(recorder.saved_bytes.values()), _activation_peak(module, run_loss))
 
 
 def _doubled_batch(batch: object, micro_batch: int) -> object:
@@ -308,11 +318,13 @@ def estimate_profile(model: ModelSource, batch: object, *, peak_flops_per_s: flo
     specs = select_units(module, unit_module_types, unit_name_patterns, min_unit_params)
     micro_batch = batch_size_of(batch)
     with mode:
-        step = _run_fake_step(module, specs, step_runner(module, inputs, precision))
-        doubled = _saved_bytes(module, specs, step_runner(module, _doubled_batch(inputs, micro_batch), precision))
-    # NOTE: the cost model scales activations with the micro-batch. Saved tensors that do not grow
-    # with it (autocast's low-precision weight copies, position embeddings) are fixed bytes instead.
-    single = sum(step.saved_bytes.values())
+        run_loss = step_runner(module, inputs, precision)
+        step = _run_fake_step(module, specs, run_loss)
+        module.zero_grad(set_to_none=True)
+        single = max(sum(step.saved_bytes.values()), _activation_peak(module, run_loss))
+        doubled = _activation_bytes(module, specs, step_runner(module, _doubled_batch(inputs, micro_batch), precision))
+    # NOTE: the cost model scales activations with the micro-batch. Bytes that do not grow with it
+    # (autocast's low-precision weight copies, position embeddings) are fixed bytes instead.
     per_batch_bytes = min(max(doubled - single, 0), single)
     seconds_per_flop = 1.0 / (peak_flops_per_s * compute_efficiency)
     elem = trainable[0].element_size()

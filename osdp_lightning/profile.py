@@ -199,6 +199,11 @@ def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
     return units, activation_bytes, statistics.median(s.step_s for s in samples)
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
 def measure_activation_peak(root: nn.Module, run_loss: Callable[[], torch.Tensor], device: torch.device) -> int:
     """Peak bytes of one forward+backward that are neither parameters nor gradients.
 
@@ -218,10 +223,19 @@ def measure_activation_peak(root: nn.Module, run_loss: Callable[[], torch.Tensor
 
     tracker = MemTracker()
     tracker.track_external(root)
+    # NOTE: MemTracker hooks the gradient of every parameter and raises on frozen ones (torch 2.13);
+    # give those a no-op handle so that it skips them.
+    for param in root.parameters():
+        if not param.requires_grad:
+            tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
     with tracker:
         run_loss().backward()
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
-    return sum(v for k, v in peak.items() if str(k).rsplit(".", 1)[-1] in ("ACT", "TEMP", "INP", "OTH"))
+    active = sum(v for k, v in peak.items() if str(k).rsplit(".", 1)[-1] in ("ACT", "TEMP", "INP", "OTH"))
+    # NOTE: TEMP includes the weight gradient autograd is producing at that moment; the cost model
+    # already counts each unit's unsharded gradient, so one (the largest) is taken back out.
+    largest_grad = max((p.numel() * p.element_size() for p in root.parameters() if p.requires_grad), default=0)
+    return max(active - largest_grad, 0)
 
 
 def _unit_profile(name: str, module_names: tuple[str, ...], params: list[nn.Parameter], root: nn.Module,

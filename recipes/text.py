@@ -12,8 +12,12 @@ any text without a vocabulary file.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import glob
+import hashlib
+import os
+import sys
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,7 +60,26 @@ def decode(ids: Sequence[int] | torch.Tensor) -> str:
 
 @functools.lru_cache(maxsize=1)
 def python_docs_corpus() -> str:
-    """CPython's shipped reference topics plus the docstrings of the top-level stdlib modules."""
+    """CPython's shipped reference topics plus the docstrings of the top-level stdlib modules.
+
+    Built once per Python installation (parsing the stdlib takes a second or more) and kept in
+    ``~/.cache/osdp_lightning/`` (``$XDG_CACHE_HOME`` if set); every rank of every run reads it.
+    """
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    key = hashlib.sha256(f"{sys.version}|{stdlib}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "osdp_lightning" / f"python-docs-{key}.txt"
+    if cache.is_file():
+        return cache.read_text(encoding="utf-8")
+    text = _build_python_docs_corpus(stdlib)
+    with contextlib.suppress(OSError):  # a read-only home only costs the rebuild next time
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, cache)  # atomic: ranks building it at once never see half a file
+    return text
+
+
+def _build_python_docs_corpus(stdlib: Path) -> str:
     parts: list[str] = []
     try:
         from pydoc_data.topics import topics  # stripped from some minimal Python builds
@@ -64,7 +87,6 @@ def python_docs_corpus() -> str:
         parts.extend(topics[name] for name in sorted(topics))
     except ImportError:
         pass
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
     for path in sorted(stdlib.glob("*.py")):
         parts.extend(_docstrings(path))
     if not parts:

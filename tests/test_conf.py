@@ -33,9 +33,9 @@ REQUIRED_MODELS = ["gpt_tiny", "gpt_small", "gpt_medium", "gpt_large", "gpt_xl",
 REQUIRED_CLUSTERS = ["cpu_2", "titan_rtx_24g_x8", "v100_16g_x8", "a100_40g_x8", "a100_80g_x8", "h100_80g_x8x2"]
 # Parameter counts of the published shapes (GPT-2 with its vocabulary padded to 50304; BERT
 # without the pooler and segment embeddings; T5 v1.0 with the tied head).
-EXPECTED_PARAMS_M = {"gpt_small": 124, "gpt_medium": 355, "gpt_large": 774, "gpt_xl": 1558,
-                     "gpt_48l_h1536": 1417, "bert_base": 110, "bert_large": 335, "t5_small": 61,
-                     "t5_base": 223, "t5_large": 738}
+EXPECTED_PARAMS_M = {"gpt_small": 124.5, "gpt_medium": 354.9, "gpt_large": 774.1, "gpt_xl": 1557.7,
+                     "gpt_48l_h1536": 1438.8, "bert_base": 109.5, "bert_large": 335.2, "t5_small": 60.5,
+                     "t5_base": 222.9, "t5_large": 737.7}
 
 
 def test_required_options_exist() -> None:
@@ -54,7 +54,7 @@ def test_model_composes_and_instantiates_on_meta(model: str) -> None:
     if model.endswith("_tiny"):
         assert params < 1_000_000
     if model in EXPECTED_PARAMS_M:
-        assert abs(params / 1e6 - EXPECTED_PARAMS_M[model]) < 0.02 * EXPECTED_PARAMS_M[model], params
+        assert abs(params / 1e6 - EXPECTED_PARAMS_M[model]) < 0.1, params
     assert module.net.config.vocab_size >= datamodule.vocab_size
     assert datamodule.tokens_per_sample > 0
 

@@ -19,6 +19,8 @@ pytestmark = pytest.mark.multiprocess
 BOUND_S = 60  # far below the 30-minute default collective timeout
 
 
+# NOTE: profiling and solving both run on rank 0 inside one try block whose outcome (plan or error)
+# is broadcast; "profile" covers that path, "apply" the all-gather of a status after apply_plan.
 @pytest.mark.parametrize("stage", ["profile", "apply"])
 def test_a_rank_raising_in_setup_stops_every_rank_quickly(tmp_path: Path, stage: str) -> None:
     done = run_logged([script("fault_setup.py"), "--fail", stage, "--out", str(tmp_path)], tmp_path / "log",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from osdp_lightning.budget import PLAN_HEADROOM_FRACTION
 from osdp_lightning.cluster import cluster_spec_from_config
 from osdp_lightning.cost import ClusterSpec
 
@@ -26,8 +28,14 @@ def cluster_world_size(cluster: DictConfig) -> int:
 
 
 def cluster_spec(cluster: DictConfig) -> ClusterSpec:
-    """The cost model's view of a ``conf/cluster`` entry (see :mod:`osdp_lightning.cluster`)."""
-    return cluster_spec_from_config(OmegaConf.to_container(cluster, resolve=True))
+    """The cost model's view of a ``conf/cluster`` entry (see :mod:`osdp_lightning.cluster`).
+
+    NOTE: plans keep at least the strategy's headroom free (5% of the budget), so that a plan
+    made here is the plan ``osdp-train`` solves for the same budget.
+    """
+    spec = cluster_spec_from_config(OmegaConf.to_container(cluster, resolve=True))
+    headroom = max(spec.headroom_bytes, int(spec.memory_budget_bytes * PLAN_HEADROOM_FRACTION))
+    return dataclasses.replace(spec, headroom_bytes=headroom)
 
 
 def check_cluster_runs_here(cluster: DictConfig, what: str) -> None:

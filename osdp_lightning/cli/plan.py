@@ -20,6 +20,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from osdp_lightning import dryrun
 from osdp_lightning.budget import format_bytes
 from osdp_lightning.cli.common import (
     CONFIG_PATH,
@@ -29,7 +30,6 @@ from osdp_lightning.cli.common import (
     output_dir,
     write_json,
 )
-from osdp_lightning import dryrun
 from osdp_lightning.cost import BASE_CHOICES, ClusterSpec, group_choices_for, split_choices_for
 from osdp_lightning.plan import InfeasibleBudgetError, Plan, make_plan
 from osdp_lightning.profile import ModelProfile, measure_split_overheads, profile_lightning_module
@@ -90,7 +90,8 @@ def plan_all(profile: ModelProfile, cluster: ClusterSpec, cfg: DictConfig) -> di
     choices = BASE_CHOICES + split_choices_for(tuple(cfg.strategy.split_factors)) + group_choices_for(cluster)
     plans: dict[str, Plan | str] = {}
     try:
-        plans["osdp"] = make_plan(profile, cluster, micro_batch_sizes=candidates, choices=choices)
+        plans["osdp"] = make_plan(profile, cluster, micro_batch_sizes=candidates, choices=choices,
+                                   time_limit_s=cfg.strategy.solver_time_limit_s)
     except InfeasibleBudgetError as err:
         plans["osdp"] = str(err)
     for name, choice in BASELINES.items():
@@ -102,12 +103,17 @@ def _best_uniform_plan(profile: ModelProfile, cluster: ClusterSpec, choice: str,
                        candidates: tuple[int, ...]) -> Plan:
     """A baseline at the fastest micro-batch size that fits the budget (the smallest if none fits)."""
     plans = [make_plan(profile, cluster, uniform_choice=choice, micro_batch_sizes=(b,)) for b in sorted(candidates)]
-    fitting = [p for p in plans if p.predicted_peak_bytes <= cluster.memory_budget_bytes]
+    fitting = [p for p in plans if p.predicted_peak_bytes <= usable_bytes(cluster)]
     return max(fitting, key=lambda p: p.predicted_throughput) if fitting else plans[0]
 
 
-def format_comparison(plans: dict[str, Plan | str], tokens_per_sample: int) -> str:
-    """osdp and the baselines side by side, as a markdown table."""
+def usable_bytes(cluster: ClusterSpec) -> int:
+    """What a plan may use: the budget less the headroom it keeps free."""
+    return cluster.memory_budget_bytes - cluster.headroom_bytes
+
+
+def format_comparison(plans: dict[str, Plan | str], tokens_per_sample: int, usable: int) -> str:
+    """osdp and the baselines side by side, as a markdown table; ``fits`` means within ``usable``."""
     header = ("| strategy | micro-batch | predicted peak/rank | of budget | fits | step s | samples/s "
               "| tokens/s | vs zero3 |")
     lines = [header, "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
@@ -116,7 +122,7 @@ def format_comparison(plans: dict[str, Plan | str], tokens_per_sample: int) -> s
         if isinstance(plan, str):
             lines.append(f"| {name} | - | - | - | no plan fits | - | - | - | - |")
             continue
-        fits = plan.predicted_peak_bytes <= plan.memory_budget_bytes
+        fits = plan.predicted_peak_bytes <= usable
         speedup = plan.predicted_throughput / reference.predicted_throughput if isinstance(reference, Plan) else 1.0
         lines.append(
             f"| {name} | {plan.micro_batch_size} | {format_bytes(plan.predicted_peak_bytes)} | "
@@ -126,7 +132,7 @@ def format_comparison(plans: dict[str, Plan | str], tokens_per_sample: int) -> s
     return "\n".join(lines)
 
 
-def comparison_rows(plans: dict[str, Plan | str], tokens_per_sample: int) -> list[dict[str, Any]]:
+def comparison_rows(plans: dict[str, Plan | str], tokens_per_sample: int, usable: int) -> list[dict[str, Any]]:
     rows = []
     for name, plan in plans.items():
         if isinstance(plan, str):
@@ -135,7 +141,7 @@ def comparison_rows(plans: dict[str, Plan | str], tokens_per_sample: int) -> lis
         rows.append({"strategy": name, "micro_batch_size": plan.micro_batch_size,
                      "predicted_peak_bytes": plan.predicted_peak_bytes,
                      "memory_budget_bytes": plan.memory_budget_bytes,
-                     "fits": plan.predicted_peak_bytes <= plan.memory_budget_bytes,
+                     "fits": plan.predicted_peak_bytes <= usable,
                      "predicted_step_s": plan.predicted_step_s, "samples_per_s": plan.predicted_throughput,
                      "tokens_per_s": plan.predicted_throughput * tokens_per_sample})
     return rows
@@ -166,12 +172,14 @@ def main(cfg: DictConfig) -> None:
     for name, plan in plans.items():
         if isinstance(plan, Plan):
             plan.save(out / ("plan.json" if name == "osdp" else f"plan_{name}.json"))
-    table = format_comparison(plans, tokens_per_sample)
+    table = format_comparison(plans, tokens_per_sample, usable_bytes(cluster))
     (out / "comparison.md").write_text(table + "\n")
     write_json(out / "comparison.json", {**names, "world_size": cluster.world_size,
                                          "tokens_per_sample": tokens_per_sample,
-                                         "rows": comparison_rows(plans, tokens_per_sample)})
-    print(f"\npredicted per optimizer step ({profile.param_count:,} parameters, {tokens_per_sample} tokens/sample):")
+                                         "usable_bytes": usable_bytes(cluster),
+                                         "rows": comparison_rows(plans, tokens_per_sample, usable_bytes(cluster))})
+    print(f"\npredicted per optimizer step ({profile.param_count:,} parameters, {tokens_per_sample} tokens/sample;"
+          f" fits: within the budget less {format_bytes(cluster.headroom_bytes)} headroom):")
     print(table)
     print(f"outputs: {out} (plan.json, plan_<baseline>.json, comparison.md, comparison.json)")
 

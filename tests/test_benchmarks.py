@@ -1,0 +1,117 @@
+"""The comparison and setup-overhead benchmarks: report logic in-process, one tiny 2-rank smoke run."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import compare, compare_report, setup_overhead
+from benchmarks.compare_worker import _SMALLEST_RE
+from osdp_lightning import InfeasibleBudgetError, make_plan
+from osdp_lightning.cost import ClusterSpec
+from osdp_lightning.profile import ModelProfile, UnitProfile
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 2**20
+
+
+def _run(round_: int, method: str, fraction: float | None, tokens: float, peak: int, *, budget: int | None = None,
+         predicted_peak: int | None = None, step_s: float = 0.1, predicted_step_s: float = 0.1) -> dict:
+    return {"round": round_, "method": method, "fraction": fraction, "budget_bytes": budget, "status": "ok",
+            "summary": {"tokens_per_s": tokens, "step_s": step_s, "predicted_step_s": predicted_step_s,
+                        "peak_bytes": peak, "predicted_peak_bytes": predicted_peak or peak},
+            "choices": {method if fraction is None else "zero2": 3}, "phases": {"forward_s": 0.03},
+            "profile_step_s": 0.05, "setup_s": {"calibrate_s": 0.5, "profile_s": 1.0},
+            "plan": {"units": [{"predicted_comm_s": 0.01}]}, "wall_s": 1.0, "load_average": "0.1"}
+
+
+def _synthetic_runs() -> list[dict]:
+    runs = []
+    for r, drift in ((0, 1.0), (1, 0.5)):  # round 1 is twice as slow for everyone: ratios must not move
+        runs += [_run(r, "ddp", None, 1000 * drift, 100 * MIB), _run(r, "zero3", None, 600 * drift, 60 * MIB),
+                 _run(r, "osdp", 1.0, 980 * drift, 90 * MIB, budget=100 * MIB, predicted_peak=93 * MIB),
+                 _run(r, "osdp", 0.7, 720 * drift, 69 * MIB, budget=70 * MIB, step_s=0.1, predicted_step_s=0.07)]
+    runs.append({"round": 0, "method": "osdp", "fraction": 0.4, "budget_bytes": 40 * MIB, "status": "infeasible",
+                 "smallest_feasible_bytes": 55 * MIB, "message": "no plan fits", "wall_s": 1.0})
+    return runs
+
+
+def test_aggregate_takes_paired_ratios_and_checks_budgets() -> None:
+    rows = {r["method"]: r for r in compare_report.aggregate(_synthetic_runs(), 100 * MIB)}
+    assert rows["osdp @ 100%"]["x_ddp"] == pytest.approx(0.98)
+    assert rows["osdp @ 70%"]["x_zero3"] == pytest.approx(1.2)
+    assert rows["osdp @ 70%"]["best_fitting"] == "zero3"  # ddp (100 MiB) does not fit 70 MiB
+    assert rows["osdp @ 100%"]["within_budget"] and rows["osdp @ 70%"]["within_budget"]
+    assert rows["osdp @ 100%"]["mem_error_worst"] == pytest.approx(93 / 90 - 1)
+    assert rows["osdp @ 70%"]["step_error"] == pytest.approx(-0.3)
+    assert rows["osdp @ 40%"]["status"] == "does not fit (smallest: 55.00 MiB)"
+
+
+def test_verdicts_name_each_target() -> None:
+    runs = _synthetic_runs()
+    text = "\n".join(compare_report.verdicts(compare_report.aggregate(runs, 100 * MIB), runs))
+    assert "never exceeds its budget (measured peak): MET" in text
+    assert "0.95x ddp throughput: MET (0.980x)" in text
+    assert "1.10x zero3 throughput: MET (1.200x)" in text
+    assert "step-time prediction error <= 20% in every run: MISSED (worst -30.0%" in text
+
+
+def test_outputs_are_written(tmp_path: Path) -> None:
+    runs = _synthetic_runs()
+    rows = compare_report.aggregate(runs, 100 * MIB)
+    machine = {"cpu": "test", "devices": 2, "rounds": 2, "param_count": 1e6}
+    text = compare_report.write_outputs(tmp_path, machine, rows, runs, plot=True)
+    assert "| osdp @ 70% | 70.00 | 540 |" in text
+    assert (tmp_path / "compare.png").stat().st_size > 10_000
+    with (tmp_path / "compare.csv").open() as handle:
+        assert [r["method"] for r in csv.DictReader(handle)][:3] == ["ddp", "zero3", "osdp @ 100%"]
+    assert len(json.loads((tmp_path / "compare_runs.json").read_text())["runs"]) == len(runs)
+
+
+def test_round_order_starts_with_ddp_and_alternates() -> None:
+    first = compare.run_order((1.0, 0.5), ("ddp", "zero3", "osdp"), 0)
+    assert first == [("ddp", None), ("zero3", None), ("osdp", 1.0), ("osdp", 0.5)]
+    assert compare.run_order((1.0, 0.5), ("ddp", "zero3", "osdp"), 1) == first[::-1]
+
+
+def test_worker_reads_the_smallest_budget_from_the_strategy_error() -> None:
+    unit = UnitProfile(name="a", module_names=("a",), param_count=1000, frozen_param_count=0, forward_s=1e-3,
+                       backward_s=2e-3, activation_bytes=100)
+    profile = ModelProfile(units=(unit,), micro_batch_size=1, param_bytes_per_element=4, grad_bytes_per_element=4,
+                           compute_bytes_per_element=4, reduce_bytes_per_element=4, optimizer_bytes_per_param=8,
+                           activation_bytes=100)
+    cluster = ClusterSpec(world_size=2, memory_budget_bytes=1000, collective_latency_s=1e-4,
+                          bandwidth_bytes_per_s=1e9, headroom_bytes=50)
+    with pytest.raises(InfeasibleBudgetError) as err:
+        make_plan(profile, cluster)
+    match = _SMALLEST_RE.search(str(err.value))
+    assert match and int(match.group(1)) > 1000
+
+
+def test_setup_overhead_share() -> None:
+    row = setup_overhead.overhead_row({"model": "m", "params": 10, "units": 3, "step_s": 0.1,
+                                       "setup_s": {"calibrate_s": 1.0, "profile_s": 0.5, "solve_s": 0.5}})
+    assert row["run_200_s"] == pytest.approx(22.0) and row["share"] == pytest.approx(2 / 22)
+    assert "| m | 0.00M | 3 | 1.00 | 0.50 | 0.50 | 0.00 | 2.00 | 0.1000 | 22.0 | 9.1% |" in setup_overhead.format_table([row])
+
+
+@pytest.mark.multiprocess
+def test_compare_smoke_two_ranks(tmp_path: Path) -> None:
+    """ddp then osdp at 90% of ddp's measured peak, tiny GPT, one round (two 2-rank launches)."""
+    cmd = [sys.executable, "-m", "benchmarks.compare", "--preset", "tiny", "--steps", "5", "--rounds", "1",
+           "--methods", "ddp,osdp", "--fractions", "0.9", "--out-dir", str(tmp_path), "--no-plot"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = json.loads((tmp_path / "compare_runs.json").read_text())["runs"]
+    assert [(r["method"], r["fraction"], r["status"]) for r in runs] == [("ddp", None, "ok"), ("osdp", 0.9, "ok")]
+    osdp = runs[1]
+    assert osdp["budget_bytes"] == int(0.9 * runs[0]["summary"]["peak_bytes"])
+    assert osdp["summary"]["peak_bytes"] <= osdp["budget_bytes"]
+    assert "| osdp @ 90% |" in (tmp_path / "compare.md").read_text()

@@ -1,0 +1,32 @@
+"""``osdp-plan`` for a cluster this machine does not have: a dry run that says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: osdp-plan profiles for real")
+def test_osdp_plan_dry_runs_a_two_node_gpu_cluster(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "osdp_lightning.cli.plan", "model=gpt_small",
+                           "cluster=h100_80g_x8x2", "cluster.memory_budget=3GiB", f"hydra.run.dir={tmp_path}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "DRY RUN: estimated from the cluster description, no GPU used" in out
+    assert "DRY RUN for cluster h100_80g_x8x2: 2 node(s) x 8 ranks" in out and "ESTIMATES" in out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["world_size"] == 16 and "dry-run estimate" in plan["source"]
+    assert plan["predicted_peak_bytes"] <= 3 * 2**30
+    rows = json.loads((tmp_path / "comparison.json").read_text())["rows"]
+    assert [r["strategy"] for r in rows] == ["osdp", "ddp", "zero2", "zero3"]
