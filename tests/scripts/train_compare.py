@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import lightning as L
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
+from toy_models import MODELS  # noqa: E402
+
 import osdp_lightning  # noqa: E402,F401  (registers "osdp")
 from osdp_lightning import OSDPStrategy, TrainingSummary  # noqa: E402
-from toy_models import MODELS  # noqa: E402
 
 
 def main() -> None:
