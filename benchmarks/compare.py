@@ -33,7 +33,7 @@ DEFAULT_FRACTIONS = (1.0, 0.85, 0.7, 0.55, 0.4)
 PRESETS: dict[str, dict[str, int]] = {
     # NOTE: parameters dominate the peak (short sequences, small micro-batch), so sharding pays:
     # all-replicate holds 20 bytes per parameter (fp32 AdamW, plus FSDP2's unsharded copy).
-    "cpu": {"n_layer": 4, "n_embd": 256, "n_head": 4, "seq_len": 64, "batch_size": 4, "steps": 12},
+    "cpu": {"n_layer": 4, "n_embd": 384, "n_head": 6, "seq_len": 64, "batch_size": 2, "steps": 20},
     "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 4, "seq_len": 32, "batch_size": 2, "steps": 6},
     "cuda": {"n_layer": 12, "n_embd": 1024, "n_head": 16, "seq_len": 256, "batch_size": 8, "steps": 30},
 }
@@ -47,10 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="model size (default: cuda with --accelerator cuda, else cpu)")
     for name in MODEL_ARGS:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help="overrides the preset")
-    parser.add_argument("--fractions", default=",".join(str(f) for f in DEFAULT_FRACTIONS),
-                        help="osdp budgets as fractions of the measured all-replicate peak")
-    parser.add_argument("--methods", default="ddp,zero2,zero3,osdp")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--fractions", default=None,
+                        help="osdp budgets as fractions of the measured all-replicate peak (default "
+                             f"{','.join(str(f) for f in DEFAULT_FRACTIONS)}; one device: 1.1)")
+    parser.add_argument("--methods", default=None, help="default ddp,zero2,zero3,osdp (one device: ddp,osdp)")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -58,6 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", type=Path, default=Path("bench_out/compare"))
     parser.add_argument("--no-plot", action="store_true")
     return parser
+
+
+def resolve_defaults(args: argparse.Namespace) -> None:
+    """Methods and budgets; one device has nothing to shard across, so every plan is all-replicate
+    there: only ddp, and osdp at a budget above its peak (the CUDA path's check of the predictions)."""
+    single = args.devices == 1
+    if args.methods is None:
+        args.methods = "ddp,osdp" if single else "ddp,zero2,zero3,osdp"
+    if args.fractions is None:
+        args.fractions = "1.1" if single else ",".join(str(f) for f in DEFAULT_FRACTIONS)
 
 
 def model_settings(args: argparse.Namespace) -> dict[str, int]:
@@ -173,6 +184,7 @@ def describe_machine(args: argparse.Namespace, settings: dict[str, int], params:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    resolve_defaults(args)
     settings = model_settings(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     load_start, start = load_average(), time.perf_counter()

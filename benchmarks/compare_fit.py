@@ -28,6 +28,10 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _has_phases(run: dict) -> bool:
+    return {"forward_s", "backward_s", "optimizer_s"} <= set(run.get("phases", {}))
+
+
 def _plan_params(run: dict) -> int:
     return sum(u["param_count"] for u in run["plan"]["units"])
 
@@ -36,7 +40,7 @@ def fit_terms(runs: list[dict]) -> dict[str, Any] | None:
     """Per-choice seconds per parameter (FSDP2 own work, optimizer) and the fixed per-step rest."""
     own, opt, rest = {}, {}, []
     for method, choice in _UNIFORM.items():
-        mine = [r for r in runs if r["method"] == method and r["status"] == "ok" and r.get("phases")]
+        mine = [r for r in runs if r["method"] == method and r["status"] == "ok" and _has_phases(r)]
         if not mine:
             return None
         own[choice] = _median([(r["phases"]["forward_s"] + r["phases"]["backward_s"] - r["profile_step_s"]
@@ -80,7 +84,7 @@ def fit_table(runs: list[dict]) -> str:
              "| method | measured step s | plan's prediction s (err) | with fitted terms s (err) |", "|---|---|---|---|"]
     groups: dict[str, list[dict]] = {}
     for run in runs:
-        if run["method"] == "osdp" and run["status"] == "ok" and run.get("phases"):
+        if run["method"] == "osdp" and run["status"] == "ok" and _has_phases(run):
             groups.setdefault(label_of("osdp", run["fraction"]), []).append(run)
     for label, mine in groups.items():
         measured = _median([r["summary"]["step_s"] for r in mine])

@@ -202,11 +202,14 @@ def write_outputs(out_dir: Path, machine: dict[str, Any], rows: list[dict[str, A
     """Write compare.md / .csv / _runs.csv / _runs.json (and compare.png); return the markdown."""
     fields = sorted({k for r in rows for k in r}, key=lambda k: (k != "method", k))
     write_csv(out_dir / "compare.csv", rows, fields)
-    write_csv(out_dir / "compare_runs.csv", [_run_csv_row(r) for r in runs], _RUN_FIELDS + ())
+    write_csv(out_dir / "compare_runs.csv", [_run_csv_row(r) for r in runs], _RUN_FIELDS)
     (out_dir / "compare_runs.json").write_text(json.dumps({"machine": machine, "runs": runs}, indent=1,
                                                           default=str) + "\n")
+    from benchmarks.compare_fit import fit_table  # it imports this module
+
     parts = [f"machine: {json.dumps(machine, default=str)}", "", results_table(rows), "",
-             breakdown_table(rows), "", "targets:", *verdicts(rows, runs)]
+             breakdown_table(rows), "", "targets:", *verdicts(rows, runs), "",
+             "step-time terms the plan lacks (prototype, fitted on the uniform runs only):", fit_table(runs)]
     if plot:
         from benchmarks.compare_plot import plot_results
 

@@ -131,7 +131,7 @@ def compare_single_device(args: argparse.Namespace) -> list[str]:
         recorder = _LossRecorder(losses)
         trainer = L.Trainer(strategy=strategy, accelerator="cuda", devices=1, max_steps=args.steps,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            callbacks=[summary, recorder], deterministic=True)
+                            callbacks=[summary, recorder])
         start = time.perf_counter()
         trainer.fit(module, data)
         results[name] = (losses, summary.summary, time.perf_counter() - start, getattr(trainer.strategy, "_plan", None))

@@ -213,7 +213,7 @@ def base_choice_cost(unit: UnitProfile, profile: ModelProfile, cluster: ClusterS
     optim = trainable * profile.optimizer_bytes_per_param
     gathered = (trainable + frozen) * profile.compute_bytes_per_element
     compute_s = (unit.forward_s + unit.backward_s) * batch_scale
-    latency = cluster.collective_latency_s if world > 1 else 0.0
+    latency = cluster.link(cluster.crosses_nodes(world))[0] if world > 1 else 0.0
     if choice == REPLICATE:
         # NOTE: FSDP2 on a (W, 1) mesh copies the parameters into an unsharded buffer while the
         # unit runs (resharded after forward and backward, so the copy is transient; measured with
@@ -413,11 +413,12 @@ def hsdp_choice_cost(unit: UnitProfile, profile: ModelProfile, cluster: ClusterS
     _check_group(group, cluster)
     stored, grads, optim, gathered, reduced = _unit_bytes(unit, profile)
     in_group_s = 2 * all_gather_s(gathered, group, cluster) + reduce_scatter_s(reduced, group, cluster)
-    across_s = all_reduce_s(_ceil_div(reduced, group), cluster.world_size // group, cluster,
-                            crosses_nodes=cluster.num_nodes > 1)
+    across_nodes = cluster.num_nodes > 1
+    across_s = all_reduce_s(_ceil_div(reduced, group), cluster.world_size // group, cluster, crosses_nodes=across_nodes)
     compute_s = (unit.forward_s + unit.backward_s) * batch_scale
+    exposed_s = 3 * cluster.link(cluster.crosses_nodes(group))[0] + cluster.link(across_nodes)[0]
     return ChoiceCost(hsdp_choice(group), _ceil_div(stored + grads + optim, group), 0, gathered + grads,
-                      compute_s, in_group_s + across_s, prefetch_bytes=gathered)
+                      compute_s, in_group_s + across_s, prefetch_bytes=gathered, exposed_s=exposed_s)
 
 
 def zero3_reshard_choice_cost(unit: UnitProfile, profile: ModelProfile, cluster: ClusterSpec, group: int,
@@ -434,5 +435,7 @@ def zero3_reshard_choice_cost(unit: UnitProfile, profile: ModelProfile, cluster:
     comm_s = (all_gather_s(gathered, world, cluster) + all_gather_s(gathered, group, cluster)
               + reduce_scatter_s(reduced, world, cluster))
     compute_s = (unit.forward_s + unit.backward_s) * batch_scale
+    exposed_s = 2 * cluster.link(cluster.crosses_nodes(world))[0] + cluster.link(cluster.crosses_nodes(group))[0]
     return ChoiceCost(zero3_reshard_choice(group), _ceil_div(stored + grads + optim, world),
-                      _ceil_div(gathered, group), gathered + grads, compute_s, comm_s, prefetch_bytes=gathered)
+                      _ceil_div(gathered, group), gathered + grads, compute_s, comm_s, prefetch_bytes=gathered,
+                      exposed_s=exposed_s)

@@ -6,7 +6,9 @@ takes seconds. From that step:
 
 - units: :func:`~osdp_lightning.units.select_units` and ``owned_params``, as in the measured
   profile, so a dry-run plan applies to the real model unchanged;
-- activation bytes: tensors saved for backward (sizes are known without data), per unit;
+- activation bytes: as in the measured profile, the larger of the bytes saved for backward and
+  the peak of activations plus backward temporaries (sizes are known without data); a second
+  fake step at twice the micro-batch separates what grows with it from fixed bytes;
 - compute seconds: FLOPs counted per unit by ``torch.utils.flop_counter.FlopCounterMode``,
   forward and backward apart, divided by the device's peak FLOP/s times ``compute_efficiency``
   (:data:`DEFAULT_COMPUTE_EFFICIENCY`);
@@ -21,7 +23,6 @@ import contextlib
 import copy
 import dataclasses
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -57,7 +58,8 @@ KERNEL_LAUNCH_S = 1e-5
 MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 ModelSource = nn.Module | Callable[[], nn.Module]
-"""A module (copied, never touched), or a function that builds one (called under FakeTensorMode)."""
+"""A module (copied without its data, never touched), or a function that builds one (called on the
+meta device, so nothing is allocated)."""
 
 _aten = torch.ops.aten
 # NOTE: the fused CPU attention kernel has no FLOP formula in torch; it does what flash attention does.
@@ -78,25 +80,43 @@ def fake_mode() -> FakeTensorMode:
 
 
 def build_fake_module(model: ModelSource, mode: FakeTensorMode) -> nn.Module:
-    """``model`` with fake parameters and buffers: a copy of a module, or a factory's result."""
-    if not isinstance(model, nn.Module):
-        with mode, warnings.catch_warnings():
-            # NOTE: Tensor.__deepcopy__ (nn.TransformerEncoder clones its layer) probes data_ptr().
-            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-            return model()
-    module = copy.deepcopy(model)
-    if any(t.device.type != "meta" for t in [*module.parameters(), *module.buffers()]):
-        module = module.to("meta")
+    """``model`` with fake parameters and buffers: built (or copied) on the meta device, then given
+    fake storage.
+
+    NOTE: not built under FakeTensorMode directly: modules that deep-copy fake tensors
+    (nn.TransformerEncoder clones its layer) get views that do not share their base's fake storage,
+    and every byte count that dedupes storages would count them twice.
+    """
+    module = build_meta_module(model)
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((owner, name))
     with mode:
-        return module.to_empty(device="cpu")
+        module.to_empty(device="cpu")
+    # NOTE: to_empty gives each holder of a tied parameter its own new one (meta and fake tensors
+    # cannot share a set_data); tie them again.
+    for (first, first_name), *others in holders.values():
+        for owner, name in others:
+            setattr(owner, name, getattr(first, first_name))
+    return module
 
 
 def build_meta_module(model: ModelSource) -> nn.Module:
-    """``model`` on the meta device (shapes only; FSDP2 can shard it, ``to_empty`` fills it)."""
+    """``model`` on the meta device (shapes only; FSDP2 can shard it, ``to_empty`` fills it).
+
+    A factory runs under ``torch.device("meta")``; a module is copied with meta tensors in place of
+    its parameters and buffers (its data is never copied, the caller's module is left as it is).
+    """
     if not isinstance(model, nn.Module):
         with torch.device("meta"):
             return model()
-    return copy.deepcopy(model).to("meta")
+    memo: dict[int, torch.Tensor] = {
+        id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for p in model.parameters()}
+    memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
+    return copy.deepcopy(model, memo)
 
 
 def fake_batch(batch: object, mode: FakeTensorMode) -> object:
@@ -136,8 +156,7 @@ def _flat_tensors(obj: object) -> list[torch.Tensor]:
 # One fake step: unit order, saved bytes, FLOPs
 # ---------------------------------------------------------------------------------------------
 def _storage_of(t: torch.Tensor) -> torch.UntypedStorage:
-    # NOTE: a view's own fake storage is not always its base's (views of deep-copied fake
-    # parameters get a fresh one), so views are keyed by their base.
+    # NOTE: a view is keyed by its base: a fake view's storage object is not always its base's.
     return (t._base if t._base is not None else t).untyped_storage()
 
 

@@ -77,6 +77,10 @@ class OSDPStrategy(ModelParallelStrategy):
             with at least ``min_unit_params`` parameters).
         overlap_efficiency: Share of communication hidden by compute. Default: measured at setup on
             CUDA; 0 on CPU (gloo competes with compute for the same cores).
+        solver_time_limit_s: Stop the ILP after this long and use the best plan found (the plan
+            says "Time limit" and gives the gap); ``None`` always proves the optimum. Small
+            models solve to optimality in well under a second; many units with split choices
+            can take CBC minutes.
         save_distributed_checkpoint: Sharded (default) or one consolidated checkpoint file.
     """
 
@@ -90,7 +94,7 @@ class OSDPStrategy(ModelParallelStrategy):
                  unit_module_types: Sequence[str | type] | None = None,
                  unit_name_patterns: Sequence[str] | None = None,
                  min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS, profile_repeats: int = 3,
-                 overlap_efficiency: float | None = None, solver_time_limit_s: float | None = None,
+                 overlap_efficiency: float | None = None, solver_time_limit_s: float | None = 60.0,
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,

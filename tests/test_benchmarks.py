@@ -26,9 +26,9 @@ def _run(round_: int, method: str, fraction: float | None, tokens: float, peak: 
     return {"round": round_, "method": method, "fraction": fraction, "budget_bytes": budget, "status": "ok",
             "summary": {"tokens_per_s": tokens, "step_s": step_s, "predicted_step_s": predicted_step_s,
                         "peak_bytes": peak, "predicted_peak_bytes": predicted_peak or peak},
-            "choices": {method if fraction is None else "zero2": 3}, "phases": {"forward_s": 0.03},
+            "choices": {method if fraction is None else "zero2": 3}, "phases": {"forward_s": 0.03, "backward_s": 0.05, "optimizer_s": 0.01},
             "profile_step_s": 0.05, "setup_s": {"calibrate_s": 0.5, "profile_s": 1.0},
-            "plan": {"units": [{"predicted_comm_s": 0.01}]}, "wall_s": 1.0, "load_average": "0.1"}
+            "plan": {"units": [{"predicted_comm_s": 0.01, "param_count": 100, "choice": "zero2"}]}, "wall_s": 1.0, "load_average": "0.1"}
 
 
 def _synthetic_runs() -> list[dict]:
@@ -69,6 +69,7 @@ def test_outputs_are_written(tmp_path: Path) -> None:
     text = compare_report.write_outputs(tmp_path, machine, rows, runs, plot=True)
     assert "| osdp @ 70% | 70.00 | 540 |" in text
     assert (tmp_path / "compare.png").stat().st_size > 10_000
+    assert "| osdp @ 70% | 0.1000 |" in text  # the fitted step-time terms, priced for each osdp row
     with (tmp_path / "compare.csv").open() as handle:
         assert [r["method"] for r in csv.DictReader(handle)][:3] == ["ddp", "zero3", "osdp @ 100%"]
     assert len(json.loads((tmp_path / "compare_runs.json").read_text())["runs"]) == len(runs)

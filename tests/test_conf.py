@@ -88,7 +88,7 @@ def test_strategy_instantiates(strategy: str) -> None:
 
 
 @pytest.mark.parametrize("data,model", [("gpt_text", "gpt_tiny"), ("bert_text", "bert_tiny"),
-                                        ("t5_span", "t5_tiny"), ("t5_tasks", "t5_small")])
+                                        ("t5_span", "t5_small"), ("t5_tasks", "t5_tiny")])
 def test_every_data_option_instantiates(data: str, model: str) -> None:
     assert data in options("data")
     cfg = compose_train(f"model={model}", f"data={data}")

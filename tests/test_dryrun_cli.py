@@ -19,7 +19,7 @@ def test_osdp_plan_dry_runs_a_two_node_gpu_cluster(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-m", "osdp_lightning.cli.plan", "model=gpt_small",
-                           "cluster=h100_80g_x8x2", "cluster.memory_budget=3GiB", f"hydra.run.dir={tmp_path}"],
+                           "cluster=h100_80g_x8x2", "cluster.memory_budget=4GiB", f"hydra.run.dir={tmp_path}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -27,6 +27,6 @@ def test_osdp_plan_dry_runs_a_two_node_gpu_cluster(tmp_path: Path) -> None:
     assert "DRY RUN for cluster h100_80g_x8x2: 2 node(s) x 8 ranks" in out and "ESTIMATES" in out
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["world_size"] == 16 and "dry-run estimate" in plan["source"]
-    assert plan["predicted_peak_bytes"] <= 3 * 2**30
+    assert plan["predicted_peak_bytes"] <= 4 * 2**30
     rows = json.loads((tmp_path / "comparison.json").read_text())["rows"]
     assert [r["strategy"] for r in rows] == ["osdp", "ddp", "zero2", "zero3"]

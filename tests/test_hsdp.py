@@ -64,6 +64,7 @@ def test_hsdp_shards_in_the_node_and_all_reduces_across_nodes() -> None:
     assert TWO_NODES.link(False)[1] == 1e11  # the in-group collectives used the fast link
     assert in_node == pytest.approx(3 * (1e-5 + 4 * P * 7 / 8 / 1e11))
     assert across == pytest.approx(1e-4 + 2 * (4 * P / 8) / 2 / 1e10)
+    assert cost.exposed_s == pytest.approx(3 * 1e-5 + 1e-4)  # latencies no compute can hide
 
 
 def test_zero3_and_replicate_across_nodes_pay_the_inter_node_link() -> None:
@@ -82,6 +83,7 @@ def test_zero3_reshard_keeps_the_backward_all_gather_in_the_node() -> None:
                 + all_gather_s(4 * P, 16, TWO_NODES))
     assert cost.comm_s == pytest.approx(expected)
     assert cost.comm_s < zero3.comm_s
+    assert cost.exposed_s == pytest.approx(2 * 1e-4 + 1e-5) and zero3.exposed_s == pytest.approx(3 * 1e-4)
 
 
 @pytest.mark.parametrize("group", [1, 3, 16])
