@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
     parser.add_argument("--out-dir", type=Path, default=Path("bench_out/compare"))
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--report-only", type=Path, default=None, metavar="RUNS_JSON",
+                        help="re-render the tables and plot of an earlier compare_runs.json into --out-dir")
     return parser
 
 
@@ -88,10 +90,10 @@ def worker_command(method: str, budget: int | None, settings: dict[str, int], ar
 
 
 def launch(method: str, budget: int | None, settings: dict[str, int], args: argparse.Namespace,
-           work: Path, label: str) -> dict[str, Any]:
+           work: Path, label: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """One multi-process training run; its rank-0 record, or an ``error`` record with the log tail."""
     out, log = work / f"{label}.json", work / f"{label}.log"
-    cmd = worker_command(method, budget, settings, args, out)
+    cmd = [*worker_command(method, budget, settings, args, out), *extra]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     start = time.perf_counter()
     with log.open("w") as handle:
@@ -184,6 +186,12 @@ def describe_machine(args: argparse.Namespace, settings: dict[str, int], params:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.report_only is not None:
+        saved = json.loads(args.report_only.read_text())
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        rows = compare_report.aggregate(saved["runs"], saved["machine"]["replicate_peak_bytes"])
+        print(compare_report.write_outputs(args.out_dir, saved["machine"], rows, saved["runs"], plot=not args.no_plot))
+        return 0
     resolve_defaults(args)
     settings = model_settings(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)

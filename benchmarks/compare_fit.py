@@ -51,7 +51,7 @@ def fit_terms(runs: list[dict]) -> dict[str, Any] | None:
     return {"own_s_per_param": own, "optimizer_s_per_param": opt, "fixed_s": _median(rest)}
 
 
-def _choice_mix(choice: str) -> dict[str, float]:
+def choice_mix(choice: str) -> dict[str, float]:
     """Shares of a unit's parameters under each base choice (a split's sharded slices are zero3)."""
     if choice in _UNIFORM.values():
         return {choice: 1.0}
@@ -66,10 +66,32 @@ def corrected_step_s(run: dict, terms: dict[str, Any]) -> float:
     step = run["profile_step_s"] + terms["fixed_s"]
     for unit in run["plan"]["units"]:
         step += unit["predicted_comm_s"]
-        for choice, share in _choice_mix(unit["choice"]).items():
+        for choice, share in choice_mix(unit["choice"]).items():
             rate = terms["own_s_per_param"][choice] + terms["optimizer_s_per_param"][choice]
             step += rate * share * unit["param_count"]
     return step
+
+
+def _priced_rows(runs: list[dict], terms: dict[str, Any], methods: tuple[str, ...]) -> list[str]:
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        if run["method"] in methods and run["status"] == "ok" and _has_phases(run):
+            groups.setdefault(label_of(run["method"], run["fraction"]), []).append(run)
+    lines = []
+    for label, mine in groups.items():
+        measured = _median([r["summary"]["step_s"] for r in mine])
+        planned = _median([r["summary"]["predicted_step_s"] for r in mine])
+        corrected = _median([corrected_step_s(r, terms) for r in mine])
+        lines.append(f"| {label} | {measured:.4f} | {planned:.4f} ({100 * (planned / measured - 1):+.1f}%) "
+                     f"| {corrected:.4f} ({100 * (corrected / measured - 1):+.1f}%) |")
+    return lines
+
+
+def describe_terms(terms: dict[str, Any]) -> str:
+    return ("fitted on the uniform runs (ns per parameter per step): "
+            + ", ".join(f"{c}: FSDP2 own {1e9 * terms['own_s_per_param'][c]:.1f}, optimizer "
+                        f"{1e9 * terms['optimizer_s_per_param'][c]:.1f}" for c in _UNIFORM.values())
+            + f"; fixed {1e3 * terms['fixed_s']:.1f} ms per step")
 
 
 def fit_table(runs: list[dict]) -> str:
@@ -77,19 +99,33 @@ def fit_table(runs: list[dict]) -> str:
     terms = fit_terms(runs)
     if terms is None:
         return "(no fit: the ddp, zero2 and zero3 runs are all needed)"
-    lines = ["fitted on the baselines (ns per parameter per step): "
-             + ", ".join(f"{c}: FSDP2 own {1e9 * terms['own_s_per_param'][c]:.1f}, optimizer "
-                         f"{1e9 * terms['optimizer_s_per_param'][c]:.1f}" for c in _UNIFORM.values())
-             + f"; fixed {1e3 * terms['fixed_s']:.1f} ms per step", "",
-             "| method | measured step s | plan's prediction s (err) | with fitted terms s (err) |", "|---|---|---|---|"]
-    groups: dict[str, list[dict]] = {}
-    for run in runs:
-        if run["method"] == "osdp" and run["status"] == "ok" and _has_phases(run):
-            groups.setdefault(label_of("osdp", run["fraction"]), []).append(run)
-    for label, mine in groups.items():
-        measured = _median([r["summary"]["step_s"] for r in mine])
-        planned = _median([r["summary"]["predicted_step_s"] for r in mine])
-        corrected = _median([corrected_step_s(r, terms) for r in mine])
-        lines.append(f"| {label} | {measured:.4f} | {planned:.4f} ({100 * (planned / measured - 1):+.1f}%) "
-                     f"| {corrected:.4f} ({100 * (corrected / measured - 1):+.1f}%) |")
-    return "\n".join(lines)
+    head = ["| method | measured step s | plan's prediction s (err) | with fitted terms s (err) |", "|---|---|---|---|"]
+    return "\n".join([describe_terms(terms), "", *head, *_priced_rows(runs, terms, ("osdp",))])
+
+
+def transfer_table(fit_runs: list[dict], check_runs: list[dict]) -> str:
+    """Terms fitted on one benchmark's uniform runs, priced on every run of another (another model size)."""
+    terms = fit_terms(fit_runs)
+    if terms is None:
+        return "(no fit: the ddp, zero2 and zero3 runs are all needed)"
+    head = ["| method | measured step s | plan's prediction s (err) | with transferred terms s (err) |",
+            "|---|---|---|---|"]
+    return "\n".join([describe_terms(terms), "", *head,
+                      *_priced_rows(check_runs, terms, (*_UNIFORM, "osdp"))])
+
+
+def main() -> None:
+    """``python -m benchmarks.compare_fit FIT/compare_runs.json CHECK/compare_runs.json``."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("fit_runs", type=Path)
+    parser.add_argument("check_runs", type=Path)
+    args = parser.parse_args()
+    print(transfer_table(json.loads(args.fit_runs.read_text())["runs"], json.loads(args.check_runs.read_text())["runs"]))
+
+
+if __name__ == "__main__":
+    main()

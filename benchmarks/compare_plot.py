@@ -16,7 +16,7 @@ def _base(method_label: str) -> str:
 
 def _throughput_panel(ax: Any, rows: list[dict[str, Any]], budgets_mib: list[float]) -> None:
     """osdp as a line over its budgets; a baseline as a flat line from its own peak (where it first fits)."""
-    right = max(budgets_mib + [r["peak_bytes"] / MIB for r in rows if r["status"] == "ok"]) * 1.05
+    right = max(budgets_mib + [r["peak_bytes"] / MIB for r in rows if r["status"] == "ok"]) * 1.15
     for r in rows:
         if r["status"] != "ok" or r["fraction"] is not None:
             continue
@@ -30,6 +30,10 @@ def _throughput_panel(ax: Any, rows: list[dict[str, Any]], budgets_mib: list[flo
                 color=COLORS["osdp"], label="osdp (at its budget)")
     for budget in budgets_mib:
         ax.axvline(budget, color="grey", linestyle=":", linewidth=0.8)
+    misses = [r["budget_bytes"] / MIB for r in rows if r["fraction"] is not None and r["status"] != "ok"]
+    if misses:
+        ax.plot(misses, [0] * len(misses), "x", color=COLORS["osdp"], markersize=9, clip_on=False,
+                label="osdp: no plan fits this budget")
     ax.set_xlabel("memory budget per rank (MiB); dotted: budgets tried")
     ax.set_ylabel("tokens / s (all ranks)")
     ax.set_title("throughput at equal budgets")
@@ -42,7 +46,8 @@ def _peak_panel(ax: Any, rows: list[dict[str, Any]], budgets_mib: list[float]) -
     """Measured and predicted peak of every osdp budget, with the budget line (peak = budget)."""
     osdp = sorted((r for r in rows if r["fraction"] is not None and r["status"] == "ok"),
                   key=lambda r: r["budget_bytes"])
-    top = max(budgets_mib) * 1.05 if budgets_mib else 1.0
+    top = max(budgets_mib + [r["peak_bytes"] / MIB for r in rows if r["status"] == "ok"]) * 1.05
+    bottom = 0.3 * top  # below every peak: the interesting corner, larger
     ax.plot([0, top], [0, top], "k--", linewidth=1, label="budget line (peak = budget)")
     if osdp:
         x = [r["budget_bytes"] / MIB for r in osdp]
@@ -55,9 +60,9 @@ def _peak_panel(ax: Any, rows: list[dict[str, Any]], budgets_mib: list[float]) -
     ax.set_xlabel("memory budget per rank (MiB)")
     ax.set_ylabel("peak per rank (MiB)")
     ax.set_title("osdp stays under its budget")
-    ax.set_xlim(0, top)
-    ax.set_ylim(0, top)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.set_xlim(bottom, top)
+    ax.set_ylim(bottom, top)
+    ax.legend(fontsize=7, loc="lower right")
 
 
 def _prediction_panel(ax: Any, runs: list[dict]) -> None:
@@ -66,6 +71,7 @@ def _prediction_panel(ax: Any, runs: list[dict]) -> None:
     if not ok:
         return
     top = max(max(r["summary"]["peak_bytes"], r["summary"]["predicted_peak_bytes"]) for r in ok) / MIB * 1.1
+    bottom = 0.3 * top
     ax.plot([0, top], [0, top], "k-", linewidth=1, label="exact")
     ax.fill_between([0, top], [0, 0.9 * top], [0, 1.1 * top], color="grey", alpha=0.2, label="+-10%")
     for method in COLORS:
@@ -77,8 +83,8 @@ def _prediction_panel(ax: Any, runs: list[dict]) -> None:
     ax.set_xlabel("measured peak per rank (MiB)")
     ax.set_ylabel("predicted peak per rank (MiB)")
     ax.set_title("memory prediction, every run")
-    ax.set_xlim(0, top)
-    ax.set_ylim(0, top)
+    ax.set_xlim(bottom, top)
+    ax.set_ylim(bottom, top)
     ax.legend(fontsize=7, loc="upper left")
 
 

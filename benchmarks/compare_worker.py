@@ -14,6 +14,7 @@ plan's predictions, setup seconds, a per-phase step breakdown, or why no plan fi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import statistics
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--split-factors", default="2,4,8")
     parser.add_argument("--text-file", default=None, help="training text (default: CPython's docs, parsed per run)")
+    parser.add_argument("--plan", default=None, help="a saved plan JSON to apply (osdp; no profile, no solve)")
     parser.add_argument("--out", required=True)
     return parser
 
@@ -99,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 def build_trainer(args: argparse.Namespace, callbacks: list[Callback]) -> L.Trainer:
     factors = tuple(int(k) for k in args.split_factors.split(",") if k)
     strategy = OSDPStrategy(memory_budget=args.budget, uniform_choice=METHODS[args.method],
-                            split_factors=factors)
+                            split_factors=factors, plan=args.plan)
     return L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices,
                      max_steps=args.steps, precision="32-true", logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -129,6 +131,7 @@ def run(args: argparse.Namespace) -> tuple[L.Trainer, dict[str, Any]]:
     record.update(status="ok", summary=summary.summary, phases=phases.medians(), setup_s=strategy.setup_s,
                   choices=_choice_counts(plan), plan=plan.to_dict(),
                   profile_step_s=strategy.profile.step_s if strategy.profile else None,
+                  profile=dataclasses.asdict(strategy.profile) if strategy.profile else None,
                   device=_device_name(trainer))
     return trainer, record
 

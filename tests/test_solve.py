@@ -296,14 +296,14 @@ def realistic_table(units: int, seed: int = 0) -> ChoiceTable:
     return make_table(rows, overlaps, activation=units * 50 * 2**20, fixed=2**30)
 
 
-def test_thousand_units_solve_fast() -> None:
+def test_thousand_units_solve_to_a_proven_optimum() -> None:
     table = realistic_table(1000)
     lowest = smallest_feasible_budget(table)
     widest = peak_bytes(table, ["replicate"] * 1000)
     budget = lowest + (widest - lowest) // 5
     solution = solve_choice_table(table, budget)
     assert solution.status == OPTIMAL and solution.peak_bytes <= budget
-    assert solution.solve_s < 5.0  # target on 2 CPU cores; about 0.5 s measured
+    # NOTE: the 5 s target is measured by benchmarks/solver_bench.py, not asserted here.
     assert len(set(solution.choices)) > 1  # the budget really forces a mix
     dp = knapsack_dp(table, budget)
     assert dp.feasible and solution.step_s <= dp.step_s * (1 + 1e-12)
