@@ -173,7 +173,7 @@ def make_plan(profile: ModelProfile, cluster: ClusterSpec, *, uniform_choice: st
     if best is None:
         table = build_choice_table(profile, cluster, min(candidates), choices=choices)
         fraction = cluster.headroom_bytes / cluster.memory_budget_bytes
-        smallest = math.ceil(smallest_feasible_budget(table) / (1 - fraction))
+        smallest = math.ceil(smallest_feasible_budget(table, time_limit_s=time_limit_s) / (1 - fraction))
         raise InfeasibleBudgetError(
             f"no plan fits the memory budget of {format_bytes(cluster.memory_budget_bytes)} per rank "
             f"(micro-batch {min(candidates)}, {cluster.world_size} ranks); the smallest budget that fits "
