@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help="overrides the preset")
     parser.add_argument("--fractions", default=None,
                         help="osdp budgets as fractions of the measured all-replicate peak (default "
-                             f"{','.join(str(f) for f in DEFAULT_FRACTIONS)}; one device: 1.1)")
+                             f"{','.join(str(f) for f in DEFAULT_FRACTIONS)}; one device: 1.25)")
     parser.add_argument("--methods", default=None, help="default ddp,zero2,zero3,osdp (one device: ddp,osdp)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
@@ -70,7 +70,7 @@ def resolve_defaults(args: argparse.Namespace) -> None:
     if args.methods is None:
         args.methods = "ddp,osdp" if single else "ddp,zero2,zero3,osdp"
     if args.fractions is None:
-        args.fractions = "1.1" if single else ",".join(str(f) for f in DEFAULT_FRACTIONS)
+        args.fractions = "1.25" if single else ",".join(str(f) for f in DEFAULT_FRACTIONS)
 
 
 def model_settings(args: argparse.Namespace) -> dict[str, int]:

@@ -157,7 +157,8 @@ def verdicts(rows: list[dict[str, Any]], runs: list[dict]) -> list[str]:
     osdp_runs = [r for r in runs if r["method"] == "osdp" and r["status"] == "ok"]
     over = [r for r in osdp_runs if r["summary"]["peak_bytes"] > r["budget_bytes"]]
     worst = max((r["summary"]["peak_bytes"] / r["budget_bytes"] for r in osdp_runs), default=float("nan"))
-    lines = [f"- osdp never exceeds its budget (measured peak): {'MET' if not over else 'MISSED'} "
+    verdict = "n/a (no osdp run trained)" if not osdp_runs else ("MET" if not over else "MISSED")
+    lines = [f"- osdp never exceeds its budget (measured peak): {verdict} "
              f"({len(osdp_runs)} runs, highest peak/budget {100 * worst:.1f}%)"]
     for fraction, key, target, name in ((1.0, "x_ddp", 0.95, "ddp"), (0.7, "x_zero3", 1.10, "zero3")):
         row = by_fraction.get(fraction)

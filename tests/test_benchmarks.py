@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import compare, compare_report, setup_overhead
+from benchmarks import compare, compare_fit, compare_report, setup_overhead
 from benchmarks.compare_worker import _SMALLEST_RE
 from osdp_lightning import InfeasibleBudgetError, make_plan
 from osdp_lightning.cost import ClusterSpec
@@ -81,6 +81,16 @@ def test_round_order_starts_with_ddp_and_alternates() -> None:
     assert compare.run_order((1.0, 0.5), ("ddp", "zero3", "osdp"), 1) == first[::-1]
 
 
+def test_one_device_runs_ddp_and_osdp_above_its_peak() -> None:
+    args = compare.build_parser().parse_args(["--accelerator", "cuda", "--devices", "1"])
+    compare.resolve_defaults(args)
+    assert (args.methods, args.fractions) == ("ddp,osdp", "1.25")
+    assert compare.model_settings(args) == compare.PRESETS["cuda"]
+    args = compare.build_parser().parse_args(["--n-embd", "128"])
+    compare.resolve_defaults(args)
+    assert args.methods == "ddp,zero2,zero3,osdp" and compare.model_settings(args)["n_embd"] == 128
+
+
 def test_worker_reads_the_smallest_budget_from_the_strategy_error() -> None:
     unit = UnitProfile(name="a", module_names=("a",), param_count=1000, frozen_param_count=0, forward_s=1e-3,
                        backward_s=2e-3, activation_bytes=100)
@@ -116,3 +126,46 @@ def test_compare_smoke_two_ranks(tmp_path: Path) -> None:
     assert osdp["budget_bytes"] == int(0.9 * runs[0]["summary"]["peak_bytes"])
     assert osdp["summary"]["peak_bytes"] <= osdp["budget_bytes"]
     assert "| osdp @ 90% |" in (tmp_path / "compare.md").read_text()
+
+
+def test_fitted_terms_price_a_mixed_plan() -> None:
+    """Uniform runs made from known per-parameter rates: the fit recovers them and prices a mix."""
+    own, opt, fixed, params = {"replicate": 1e-8, "zero2": 2e-8, "zero3": 3e-8}, 5e-9, 0.004, 1000
+
+    def run(method: str, choices: list[str]) -> dict:
+        units = [{"param_count": params // 2, "choice": c, "predicted_comm_s": 0.01} for c in choices]
+        # forward: the profiled compute; backward: FSDP2's own work plus the two units' collectives
+        phases = {"forward_s": 0.05, "backward_s": sum(own[c] * params / 2 for c in choices) + 0.02,
+                  "optimizer_s": opt * params}
+        step = sum(phases.values()) + fixed
+        return {"method": method, "fraction": None if method != "osdp" else 0.7, "round": 0, "status": "ok",
+                "phases": phases, "profile_step_s": 0.05, "plan": {"units": units},
+                "summary": {"step_s": step, "predicted_step_s": 0.07}}
+
+    runs = [run(m, [c, c]) for m, c in (("ddp", "replicate"), ("zero2", "zero2"), ("zero3", "zero3"))]
+    terms = compare_fit.fit_terms(runs)
+    assert terms["own_s_per_param"]["zero2"] == pytest.approx(2e-8) and terms["fixed_s"] == pytest.approx(fixed)
+    mixed = run("osdp", ["replicate", "zero3"])
+    assert compare_fit.corrected_step_s(mixed, terms) == pytest.approx(mixed["summary"]["step_s"])
+    assert compare_fit.choice_mix("split(k=4, sharded=1)") == {"zero3": 0.25, "replicate": 0.75}
+
+
+def test_replan_reads_back_a_profile_and_prices_choices() -> None:
+    import dataclasses
+
+    from benchmarks import replan
+    from osdp_lightning.cost import build_choice_table
+
+    unit = UnitProfile(name="a", module_names=("a",), param_count=1000, frozen_param_count=0, forward_s=1e-3,
+                       backward_s=2e-3, activation_bytes=100, linear_shape=(10, 100), split_overhead_s=((2, 1e-4),))
+    profile = ModelProfile(units=(unit,), micro_batch_size=1, param_bytes_per_element=4, grad_bytes_per_element=4,
+                           compute_bytes_per_element=4, reduce_bytes_per_element=4, optimizer_bytes_per_param=8,
+                           activation_bytes=100)
+    assert replan.profile_from_dict(json.loads(json.dumps(dataclasses.asdict(profile)))) == profile
+    cluster = ClusterSpec(world_size=2, memory_budget_bytes=10**6, collective_latency_s=1e-4, bandwidth_bytes_per_s=1e9)
+    table = build_choice_table(profile, cluster)
+    terms = {"own_s_per_param": {"replicate": 1e-6, "zero2": 2e-6, "zero3": 3e-6},
+             "optimizer_s_per_param": {"replicate": 0.0, "zero2": 0.0, "zero3": 0.0}}
+    priced = replan.priced_table(table, profile, terms)
+    extra = [p.compute_s - c.compute_s for p, c in zip(priced.units[0].choices, table.units[0].choices, strict=True)]
+    assert extra == pytest.approx([1e-3, 2e-3, 3e-3])
