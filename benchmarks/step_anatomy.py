@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -28,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from benchmarks.split_bench import free_port  # noqa: E402
 
 WORLD = 2
 LAYOUTS = ("replicate", "zero2", "zero3")
@@ -169,12 +170,6 @@ def report(samples: dict, predicted: dict, info: dict, args: argparse.Namespace)
         pred_step, pred_comm = predicted[layout]
         print(f"| {layout} | {fwd:.4f} | {bwd:.4f} | {opt:.4f} | {step:.4f} | {bare:.4f} | {own:.4f} "
               f"| {pred_comm:.4f} | {pred_step:.4f} | {100 * (pred_step / step - 1):+.1f}% |")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> None:
