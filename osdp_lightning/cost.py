@@ -148,10 +148,24 @@ class ChoiceCost:
     not its gradients); ``None`` means the whole transient."""
     exposed_s: float = 0.0
     """Part of ``comm_s`` no overlap hides: one launch latency per collective call."""
+    activation_bytes: int = 0
+    """Activations this unit keeps from forward to backward under this choice (per-unit, per-choice
+    part of the activation term, e.g. only the input when checkpointed); activations that no
+    choice changes stay in :attr:`ChoiceTable.activation_bytes`."""
+    optimizer_s: float = 0.0
+    """Seconds of the optimizer step over this unit's parameters as this choice stores them."""
+    overhead_s: float = 0.0
+    """Seconds per step of the machinery that applies the choice (FSDP2's per-unit copy-in/out,
+    unshard allocation and hooks, a reducer's bucketing), besides compute and collectives."""
 
     @property
     def prefetch(self) -> int:
         return self.transient_bytes if self.prefetch_bytes is None else self.prefetch_bytes
+
+    @property
+    def persistent_bytes(self) -> int:
+        """Bytes alive through the whole step or from this unit's forward to its backward."""
+        return self.state_bytes + self.held_bytes + self.activation_bytes
 
 
 @dataclass(frozen=True)
@@ -179,6 +193,8 @@ class ChoiceTable:
     fixed_bytes: int
     """Bytes every plan pays besides units and activations (the input batch)."""
     micro_batch_size: int
+    fixed_step_s: float = 0.0
+    """Seconds every step pays whatever the choices (the training loop's own constant)."""
 
 
 # NOTE: all-gather and reduce-scatter move (g-1)/g of the data per rank; all-reduce twice that.

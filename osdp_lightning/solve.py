@@ -95,7 +95,7 @@ def _transient_peak(transients: list[int], prefetches: list[int] | None = None) 
 def peak_bytes(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> int:
     """Exact per-rank peak of an assignment under the model the ILP uses."""
     costs = _chosen(table, choices)
-    persistent = sum(cost.state_bytes + cost.held_bytes for cost in costs)
+    persistent = sum(cost.persistent_bytes for cost in costs)
     transient = _transient_peak([cost.transient_bytes for cost in costs], [cost.prefetch for cost in costs])
     return persistent + transient + table.activation_bytes + table.fixed_bytes
 
@@ -103,18 +103,19 @@ def peak_bytes(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> int:
 def _choice_step_s(unit: UnitCosts, cost: ChoiceCost) -> float:
     # Only the part of a collective that neighbouring compute cannot hide costs time, and never
     # less than its exposed part (one launch latency per collective call).
-    return cost.compute_s + max(cost.exposed_s, cost.comm_s - unit.overlap_s)
+    return (cost.compute_s + cost.optimizer_s + cost.overhead_s
+            + max(cost.exposed_s, cost.comm_s - unit.overlap_s))
 
 
 def step_seconds(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> float:
     """Exact predicted step seconds of an assignment under the model the ILP uses."""
     costs = _chosen(table, choices)
-    return sum(_choice_step_s(unit, cost) for unit, cost in zip(table.units, costs, strict=True))
+    return table.fixed_step_s + sum(_choice_step_s(unit, cost) for unit, cost in zip(table.units, costs, strict=True))
 
 
 def _memory_scale(table: ChoiceTable) -> int:
     """Power of ten that brings a whole model's bytes to at most ``_MAX_SCALED``."""
-    total = sum(max(c.state_bytes + c.held_bytes + 2 * c.transient_bytes for c in u.choices)
+    total = sum(max(c.persistent_bytes + 2 * c.transient_bytes for c in u.choices)
                 for u in table.units)
     return 10 ** max(0, math.ceil(math.log10(max(total, 1) / _MAX_SCALED)))
 
@@ -125,7 +126,7 @@ def _candidates(unit: UnitCosts) -> list[ChoiceCost]:
     Dropping them keeps the optimum exact: swapping a dominated choice for its dominator never
     raises the peak or the step time. Ties keep the first listed choice.
     """
-    keys = [(c.state_bytes + c.held_bytes, c.transient_bytes, c.prefetch, _choice_step_s(unit, c))
+    keys = [(c.persistent_bytes, c.transient_bytes, c.prefetch, _choice_step_s(unit, c))
             for c in unit.choices]
     kept = []
     for i, key in enumerate(keys):
@@ -177,12 +178,12 @@ def _build_model(table: ChoiceTable) -> _Model:
         variables.append(tuple(zip(candidates, xs, strict=True)))
         problem += pulp.lpSum(xs) == 1, f"one_{u}"
         # NOTE: per-unit minima move to constants, so the rows only carry the differences.
-        min_persistent = min(c.state_bytes + c.held_bytes for c in candidates)
+        min_persistent = min(c.persistent_bytes for c in candidates)
         min_transient = min(c.transient_bytes for c in candidates)
         offset += min_persistent
         min_transients.append(min_transient)
-        persistent_terms += [(x, (c.state_bytes + c.held_bytes - min_persistent) / scale)
-                             for c, x in zip(candidates, xs, strict=True) if c.state_bytes + c.held_bytes > min_persistent]
+        persistent_terms += [(x, (c.persistent_bytes - min_persistent) / scale)
+                             for c, x in zip(candidates, xs, strict=True) if c.persistent_bytes > min_persistent]
         transient_terms.append([(x, -(c.transient_bytes - min_transient) / scale)
                                 for c, x in zip(candidates, xs, strict=True) if c.transient_bytes > min_transient])
         min_prefetch = min(c.prefetch for c in candidates)
@@ -267,8 +268,8 @@ def _read_choices(model: _Model) -> tuple[str, ...]:
 
 
 def _step_objective(table: ChoiceTable, model: _Model) -> pulp.LpAffineExpression:
-    return pulp.lpSum(_choice_step_s(unit, c) * x for unit, pairs in
-                      zip(table.units, model.variables, strict=True) for c, x in pairs)
+    return table.fixed_step_s + pulp.lpSum(_choice_step_s(unit, c) * x for unit, pairs in
+                                           zip(table.units, model.variables, strict=True) for c, x in pairs)
 
 
 def _exclude(model: _Model, choices: tuple[str, ...], index: int) -> None:
@@ -280,7 +281,7 @@ def _exclude(model: _Model, choices: tuple[str, ...], index: int) -> None:
     heavier = []
     for pairs, choice in zip(model.variables, choices, strict=True):
         mine = next(c for c, _ in pairs if c.choice == choice)
-        heavier += [x for c, x in pairs if c.state_bytes + c.held_bytes >= mine.state_bytes + mine.held_bytes
+        heavier += [x for c, x in pairs if c.persistent_bytes >= mine.persistent_bytes
                     and c.transient_bytes >= mine.transient_bytes and c.prefetch >= mine.prefetch]
     model.problem.addConstraint(pulp.lpSum(heavier) <= len(choices) - 1, f"exclude_{index}")
 
@@ -399,7 +400,7 @@ def knapsack_dp(table: ChoiceTable, budget_bytes: int, resolution_bytes: int = 2
     worst = [max(c.transient_bytes for c in unit.choices) for unit in units]
     worst_prefetch = [max(c.prefetch for c in unit.choices) for unit in units]
     reserve = _transient_peak(worst, worst_prefetch) + table.activation_bytes + table.fixed_bytes
-    weights = [[-(-(c.state_bytes + c.held_bytes) // resolution_bytes) for c in u.choices] for u in units]
+    weights = [[-(-c.persistent_bytes // resolution_bytes) for c in u.choices] for u in units]
     capacity = (budget_bytes - reserve) // resolution_bytes - sum(min(w) for w in weights)
     if capacity < 0:
         return Solution((), INFEASIBLE, math.inf, 0, time.perf_counter() - start, None)
