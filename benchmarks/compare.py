@@ -1,11 +1,13 @@
 """Throughput of osdp against DDP / ZeRO-2 / ZeRO-3 at equal memory budgets, and how true its predictions are.
 
-    osdp-bench                                  # the default: GPT on 2 CPU ranks, ~10 minutes
+    ./dev bench compare                             # the default: GPT on 2 CPU ranks, ~10 minutes
     python -m benchmarks.compare --rounds 3 --out-dir docs/benchmarks
     python -m benchmarks.compare --accelerator cuda --devices 1 --preset cuda
 
 Every run is a separate multi-process launch of :mod:`benchmarks.compare_worker` with the same
-model, data and seed. The ``ddp`` run (FSDP2 with every unit replicated) goes first; its measured
+model, data and seed. ``ddp`` is Lightning's own ``strategy="ddp"`` (torch DDP), what users would
+otherwise run: every "x ddp" ratio is against it. ``osdp-replicate`` (osdp's uniform replicate) goes
+first; its measured
 peak per rank sets the osdp budgets (``--fractions`` of it). Each method then runs once per round,
 the order reversed every other round, and rows report medians over rounds, so that drift of a
 shared machine does not favour one method. Writes ``compare.md`` (tables), ``compare.csv`` (one
@@ -25,11 +27,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import compare_report
-from recipes.text import python_docs_corpus
+from osdp_lightning.recipes.text import python_docs_corpus
 
-BASELINES = ("ddp", "zero2", "zero3")
+from benchmarks import compare_report
+
+BASELINES = ("ddp", "fsdp2", "fsdp2-ckpt", "osdp-replicate", "zero2", "zero3", "osdp-default")
+"""Runs without a budget: Lightning's DDP, osdp's uniform plans, osdp at its default budget (all fits)."""
+PEAK_METHOD = "osdp-replicate"
+"""Its measured peak (the all-replicate peak) sets the osdp budgets."""
 DEFAULT_FRACTIONS = (1.0, 0.85, 0.7, 0.55, 0.4)
+HAND_FSDP2 = "fsdp2"
+"""FSDP2 as Lightning documents it (``fully_shard`` per block, then the root); osdp runs at
+``--fsdp2-fractions`` of its measured peak as ``osdp-at-fsdp2``."""
+DEFAULT_FSDP2_FRACTIONS = (1.0,)
 PRESETS: dict[str, dict[str, int]] = {
     # NOTE: parameters dominate the peak (short sequences, small micro-batch), so sharding pays:
     # all-replicate holds 20 bytes per parameter (fp32 AdamW, plus FSDP2's unsharded copy).
@@ -50,7 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fractions", default=None,
                         help="osdp budgets as fractions of the measured all-replicate peak (default "
                              f"{','.join(str(f) for f in DEFAULT_FRACTIONS)}; one device: 1.25)")
-    parser.add_argument("--methods", default=None, help="default ddp,zero2,zero3,osdp (one device: ddp,osdp)")
+    parser.add_argument("--methods", default=None,
+                        help="default ddp,osdp-replicate,zero2,zero3,osdp-default,osdp (one device: ddp,osdp-replicate,osdp)")
+    parser.add_argument("--fsdp2-fractions", default=",".join(str(f) for f in DEFAULT_FSDP2_FRACTIONS),
+                        help="osdp-at-fsdp2 budgets as fractions of the hand-written FSDP2's measured peak "
+                             "(needs fsdp2 and osdp in --methods)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--devices", type=int, default=2)
@@ -68,7 +82,7 @@ def resolve_defaults(args: argparse.Namespace) -> None:
     there: only ddp, and osdp at a budget above its peak (the CUDA path's check of the predictions)."""
     single = args.devices == 1
     if args.methods is None:
-        args.methods = "ddp,osdp" if single else "ddp,zero2,zero3,osdp"
+        args.methods = "ddp,osdp-replicate,osdp" if single else "ddp,osdp-replicate,zero2,zero3,osdp-default,osdp"
     if args.fractions is None:
         args.fractions = "1.25" if single else ",".join(str(f) for f in DEFAULT_FRACTIONS)
 
@@ -94,7 +108,9 @@ def launch(method: str, budget: int | None, settings: dict[str, int], args: argp
     """One multi-process training run; its rank-0 record, or an ``error`` record with the log tail."""
     out, log = work / f"{label}.json", work / f"{label}.log"
     cmd = [*worker_command(method, budget, settings, args, out), *extra]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    # NOTE: one calibration per benchmark (in its temporary directory, shared by its runs): every
+    # method is priced with the same step terms, and none of them comes from another session's cache.
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OSDP_LIGHTNING_CACHE_DIR": str(work / "calibration")}
     start = time.perf_counter()
     with log.open("w") as handle:
         try:
@@ -113,11 +129,25 @@ def launch(method: str, budget: int | None, settings: dict[str, int], args: argp
     return record
 
 
-def run_order(fractions: tuple[float, ...], methods: tuple[str, ...], round_index: int) -> list[tuple[str, float | None]]:
-    """Round 0 starts with ddp (its peak sets the budgets); odd rounds run in reverse order."""
+def alternate(jobs: list[Any], round_index: int) -> list[Any]:
+    """The jobs of one round: odd rounds run them in reverse, so drift of a shared machine favours none."""
+    return jobs if round_index % 2 == 0 else jobs[::-1]
+
+
+def run_order(fractions: tuple[float, ...], methods: tuple[str, ...], round_index: int,
+              hand_fractions: tuple[float, ...] = DEFAULT_FSDP2_FRACTIONS) -> list[tuple[str, float | None]]:
+    """Round 0 starts with osdp-replicate (its peak sets the budgets); odd rounds run in reverse order."""
     jobs = [(m, None) for m in BASELINES if m in methods]
     jobs += [("osdp", f) for f in fractions] if "osdp" in methods else []
-    return jobs if round_index % 2 == 0 else jobs[::-1]
+    return alternate(jobs + hand_fsdp2_jobs(methods, hand_fractions), round_index)
+
+
+def hand_fsdp2_jobs(methods: tuple[str, ...], fractions: tuple[float, ...] = DEFAULT_FSDP2_FRACTIONS
+                    ) -> list[tuple[str, float | None]]:
+    """osdp at fractions of the hand-written FSDP2's measured peak (after the fsdp2 row in round 0)."""
+    if HAND_FSDP2 not in methods or "osdp" not in methods:
+        return []
+    return [(f"osdp-at-{HAND_FSDP2}", f) for f in fractions]
 
 
 def load_average() -> str:
@@ -131,18 +161,24 @@ def run_all(args: argparse.Namespace, settings: dict[str, int], work: Path) -> t
     """Every run of every round; returns the run records and the all-replicate peak in bytes."""
     fractions = tuple(float(f) for f in args.fractions.split(",") if f)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    ddp = launch("ddp", None, settings, args, work, "r0_ddp")
-    if ddp.get("status") != "ok":
-        raise SystemExit(f"the all-replicate (ddp) run failed; no budgets without it:\n{ddp.get('message')}")
-    replicate_peak = int(ddp["summary"]["peak_bytes"])
+    first = launch(PEAK_METHOD, None, settings, args, work, f"r0_{PEAK_METHOD}")
+    if first.get("status") != "ok":
+        raise SystemExit(f"the all-replicate ({PEAK_METHOD}) run failed; no budgets without it:\n{first.get('message')}")
+    replicate_peak = int(first["summary"]["peak_bytes"])
     print(f"all-replicate peak per rank: {replicate_peak / 2**20:.2f} MiB; load average {load_average()}", flush=True)
     runs: list[dict] = []
     smallest: int | None = None  # the smallest feasible osdp budget, once a run has named it
+    hand_peak: int | None = None  # the hand-written FSDP2's measured peak (its round-0 run)
     for r in range(args.rounds):
-        for method, fraction in run_order(fractions, methods, r):
+        hand_fractions = tuple(float(f) for f in args.fsdp2_fractions.split(",") if f)
+        for method, fraction in run_order(fractions, methods, r, hand_fractions):
             budget = int(fraction * replicate_peak) if fraction is not None else None
-            if r == 0 and method == "ddp":
-                record = ddp if "ddp" in methods else None
+            if method.startswith("osdp-at-"):
+                if hand_peak is None:
+                    continue
+                budget = int(fraction * hand_peak)
+            if r == 0 and method == PEAK_METHOD:
+                record = first if PEAK_METHOD in methods else None
             elif smallest is not None and budget is not None and budget < smallest:
                 # NOTE: no plan fits below the smallest feasible budget (exact bytes of the same
                 # profile); it is recorded once, not launched again to hear the same answer.
@@ -154,9 +190,12 @@ def run_all(args: argparse.Namespace, settings: dict[str, int], work: Path) -> t
                     continue
             else:
                 label = f"r{r}_{method}" + (f"_{round(100 * fraction)}" if fraction is not None else "")
-                record = launch(method, budget, settings, args, work, label)
+                record = launch(method if budget is None else "osdp", budget, settings, args, work, label)
+                record["method"] = method
             if record is None:
                 continue
+            if method == HAND_FSDP2 and hand_peak is None and record["status"] == "ok":
+                hand_peak = int(record["summary"]["peak_bytes"])
             record.update(round=r, fraction=fraction, load_average=load_average())
             runs.append(record)
             if record["status"] == "infeasible" and record.get("smallest_feasible_bytes"):

@@ -20,8 +20,10 @@ import statistics
 from typing import Any
 
 from benchmarks.compare_report import label_of
+from osdp_lightning.choices import BASELINES, parse, resolve
 
-_UNIFORM = {"ddp": "replicate", "zero2": "zero2", "zero3": "zero3"}
+# NOTE: the uniform replicate run is osdp-replicate; "ddp" is Lightning's own DDP (no plan, no profile).
+_UNIFORM = {("osdp-replicate" if name == "ddp" else name): str(resolve(name)) for name in BASELINES}
 
 
 def _median(values: list[float]) -> float:
@@ -55,8 +57,9 @@ def choice_mix(choice: str) -> dict[str, float]:
     """Shares of a unit's parameters under each base choice (a split's sharded slices are zero3)."""
     if choice in _UNIFORM.values():
         return {choice: 1.0}
-    if choice.startswith("split(k="):
-        k, sharded = (int(part.split("=")[1]) for part in choice[6:-1].split(", "))
+    parsed = parse(choice)
+    if parsed.kind == "split":
+        k, sharded = parsed["k"], parsed["sharded"]
         return {"zero3": sharded / k, "replicate": (k - sharded) / k}
     return {"zero3": 1.0}  # hsdp and the like: the closest base choice
 

@@ -67,7 +67,7 @@ def _peak_panel(ax: Any, rows: list[dict[str, Any]], budgets_mib: list[float]) -
 
 def _prediction_panel(ax: Any, runs: list[dict]) -> None:
     """Predicted against measured peak of every run, with the +-10% band."""
-    ok = [r for r in runs if r["status"] == "ok"]
+    ok = [r for r in runs if r["status"] == "ok" and r["summary"].get("predicted_peak_bytes") is not None]
     if not ok:
         return
     top = max(max(r["summary"]["peak_bytes"], r["summary"]["predicted_peak_bytes"]) for r in ok) / MIB * 1.1

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import pickle
 import re
 import statistics
 import time
@@ -26,14 +27,49 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
+from osdp_lightning.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTLitModule
+from torch.distributed.fsdp import fully_shard
 
 import osdp_lightning  # noqa: F401  (registers strategy="osdp")
 from osdp_lightning import InfeasibleBudgetError, OSDPStrategy, TrainingSummary
-from recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTLitModule
+from osdp_lightning.choices import BASELINES, resolve
 
-METHODS = {"ddp": "replicate", "zero2": "zero2", "zero3": "zero3", "osdp": None}
-"""Method name -> the strategy's ``uniform_choice`` (``None``: solve the ILP)."""
+METHODS = {**{name: str(resolve(name)) for name in BASELINES if name != "ddp"}, "osdp-replicate": "replicate",
+           "osdp": None, "osdp-default": None}
+"""Method name -> the osdp strategy's ``uniform_choice`` (``None``: solve the ILP; ``osdp-default``:
+at the strategy's default budget, where everything fits)."""
+LIGHTNING_METHODS = {"ddp": "ddp", "fsdp2": "fsdp2", "fsdp2-ckpt": "fsdp2-ckpt"}
+"""Method name -> Lightning's own strategy, what a user would otherwise run (``ddp``: torch DDP)."""
 _SMALLEST_RE = re.compile(r"\((\d+) bytes")
+
+
+class HandFSDP2GPT(GPTLitModule):
+    """The GPT recipe sharded by hand, as Lightning documents FSDP2 (``ModelParallelStrategy``):
+    ``fully_shard`` on each transformer block, then on the model (embeddings, final norm)."""
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.net.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
+class HandFSDP2CheckpointGPT(GPTLitModule):
+    """zero3 + activation checkpointing of every block, as a user sets it up by hand: torch's
+    checkpointing, then ``fully_shard``, on each transformer block (issue 11's baseline)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed._composable import checkpoint
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.net.h:
+            checkpoint(block)
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
+HAND_MODULES = {"fsdp2": HandFSDP2GPT, "fsdp2-ckpt": HandFSDP2CheckpointGPT}
 
 
 class PhaseTimer(Callback):
@@ -79,7 +115,7 @@ class PhaseTimer(Callback):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--method", choices=sorted(METHODS), required=True)
+    parser.add_argument("--method", choices=sorted({*METHODS, *LIGHTNING_METHODS}), required=True)
     parser.add_argument("--budget", type=int, default=None, help="per-rank bytes (osdp)")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=256)
@@ -100,7 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_trainer(args: argparse.Namespace, callbacks: list[Callback]) -> L.Trainer:
     factors = tuple(int(k) for k in args.split_factors.split(",") if k)
-    strategy = OSDPStrategy(memory_budget=args.budget, uniform_choice=METHODS[args.method],
+    if args.method in HAND_MODULES:  # FSDP2 as Lightning documents it (HandFSDP2GPT.configure_model)
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    else:
+        strategy = LIGHTNING_METHODS.get(args.method) or OSDPStrategy(memory_budget=args.budget, uniform_choice=METHODS[args.method],
                             split_factors=factors, plan=args.plan)
     return L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices,
                      max_steps=args.steps, precision="32-true", logger=False, enable_checkpointing=False,
@@ -114,7 +153,7 @@ def run(args: argparse.Namespace) -> tuple[L.Trainer, dict[str, Any]]:
     config = GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd, dropout=0.0)
     data = GPTDataModule(seq_len=args.seq_len, batch_size=args.batch_size, text_files=args.text_file)
-    module = GPTLitModule(GPT(config))
+    module = HAND_MODULES.get(args.method, GPTLitModule)(GPT(config))
     summary, phases = TrainingSummary(tokens_per_sample=data.tokens_per_sample), PhaseTimer()
     trainer = build_trainer(args, [summary, phases])
     record: dict[str, Any] = {"method": args.method, "budget_bytes": args.budget,
@@ -126,6 +165,8 @@ def run(args: argparse.Namespace) -> tuple[L.Trainer, dict[str, Any]]:
         record.update(status="infeasible", message=str(err),
                       smallest_feasible_bytes=int(match.group(1)) if match else None)
         return trainer, record
+    if args.method in LIGHTNING_METHODS:
+        return trainer, _lightning_record(trainer, record, summary, phases)
     strategy: OSDPStrategy = trainer.strategy  # type: ignore[assignment]
     plan = strategy.plan
     record.update(status="ok", summary=summary.summary, phases=phases.medians(), setup_s=strategy.setup_s,
@@ -134,6 +175,21 @@ def run(args: argparse.Namespace) -> tuple[L.Trainer, dict[str, Any]]:
                   profile=dataclasses.asdict(strategy.profile) if strategy.profile else None,
                   device=_device_name(trainer))
     return trainer, record
+
+
+def _lightning_record(trainer: L.Trainer, record: dict[str, Any], summary: TrainingSummary,
+                      phases: PhaseTimer) -> dict[str, Any]:
+    """A Lightning strategy's record: measured figures only (no plan, nothing predicted)."""
+    measured = dict(summary.summary)
+    model = trainer.strategy.model
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not model.gradient_as_bucket_view:
+        # NOTE: DDP's buckets (allocated in C++, invisible to MemTracker) hold a second copy of every gradient.
+        buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        measured["peak_bytes"] = int(measured["peak_bytes"]) + buckets
+        record["ddp_bucket_bytes"] = buckets
+    record.update(status="ok", summary=measured, phases=phases.medians(), setup_s={}, choices={f"Lightning strategy={record['method']}": 1},
+                  plan=None, profile_step_s=None, profile=None, cluster=None, device=_device_name(trainer))
+    return record
 
 
 def _choice_counts(plan: osdp_lightning.Plan) -> dict[str, int]:
@@ -148,11 +204,19 @@ def _device_name(trainer: L.Trainer) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+def _save_pricing(trainer: L.Trainer, path: Path) -> None:
+    """The profile and cluster the plan was priced with, as objects: benchmarks/regret.py prices other plans with them."""
+    strategy = trainer.strategy
+    if isinstance(strategy, OSDPStrategy) and strategy.profile is not None:
+        path.write_bytes(pickle.dumps({"profile": strategy.profile, "cluster": strategy._cluster_spec()}))
+
+
 def main() -> None:
     args = build_parser().parse_args()
     trainer, record = run(args)
     if trainer.global_rank == 0:
         Path(args.out).write_text(json.dumps(record, indent=1, default=str) + "\n")
+        _save_pricing(trainer, Path(args.out).with_suffix(".pkl"))
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()  # without it, multi-process runs abort at exit (-6)
 

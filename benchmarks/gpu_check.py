@@ -20,15 +20,15 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
+from osdp_lightning.recipes.gpt import GPT, GPTConfig, GPTLitModule
 
 import osdp_lightning  # noqa: F401
 from osdp_lightning import ClusterSpec, OSDPStrategy, TrainingSummary, format_bytes, make_plan
 from osdp_lightning.apply import apply_plan, build_meshes
-from osdp_lightning.cost import BASE_CHOICES
+from osdp_lightning.choices import BASE_CHOICES
 from osdp_lightning.plan import InfeasibleBudgetError, Plan
 from osdp_lightning.profile import profile_lightning_module
 from osdp_lightning.strategy import _RootWrapper
-from recipes.gpt import GPT, GPTConfig, GPTLitModule
 
 
 def build_module(layers: int, hidden: int, seq: int) -> GPTLitModule:
@@ -41,8 +41,7 @@ def build_module(layers: int, hidden: int, seq: int) -> GPTLitModule:
 def batch_for(seq: int, batch: int, device: torch.device) -> dict:
     """One real batch of the GPT recipe's default data."""
     from lightning.fabric.utilities.apply_func import move_data_to_device
-
-    from recipes.gpt import GPTDataModule
+    from osdp_lightning.recipes.gpt import GPTDataModule
 
     data = GPTDataModule(seq_len=seq, batch_size=batch)
     data.setup("fit")
@@ -98,7 +97,7 @@ def check_predictions(args: argparse.Namespace, device: torch.device) -> list[st
     for world in args.worlds:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
         cluster = ClusterSpec(world, 2**50, 20e-6, 100e9)
-        plans = {c: make_plan(profile, cluster, uniform_choice=c) for c in BASE_CHOICES}
+        plans = {str(c): make_plan(profile, cluster, uniform_choice=c) for c in BASE_CHOICES}
         tight = (plans["replicate"].predicted_peak_bytes + plans["zero3"].predicted_peak_bytes) // 2
         try:
             plans["ilp@mid"] = make_plan(profile, ClusterSpec(world, tight, 20e-6, 100e9))
@@ -119,7 +118,7 @@ def check_predictions(args: argparse.Namespace, device: torch.device) -> list[st
 
 def compare_single_device(args: argparse.Namespace) -> list[str]:
     """osdp on one GPU against Lightning's default strategy: same losses, predicted vs measured."""
-    from recipes.gpt import GPTDataModule
+    from osdp_lightning.recipes.gpt import GPTDataModule
 
     results = {}
     for name, strategy in (("auto", "auto"), ("osdp", OSDPStrategy())):

@@ -22,13 +22,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from osdp_lightning.recipes.text import python_docs_corpus
+
 from benchmarks import compare, compare_report
 from benchmarks.compare_fit import choice_mix, describe_terms, fit_terms
 from osdp_lightning.budget import PLAN_HEADROOM_FRACTION
-from osdp_lightning.cost import BASE_CHOICES, ChoiceTable, ClusterSpec, build_choice_table, split_choices_for
+from osdp_lightning.choices import ChoiceOptions, choice_space
+from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.cost import ChoiceTable, build_choice_table
 from osdp_lightning.profile import ModelProfile, UnitProfile
 from osdp_lightning.solve import solve_choice_table, step_seconds
-from recipes.text import python_docs_corpus
 
 SPLIT_FACTORS = (2, 4, 8)  # the strategy's default
 
@@ -64,7 +67,7 @@ def replan(run: dict[str, Any], terms: dict[str, Any]) -> dict[str, Any]:
                           overlap_efficiency=plan["overlap_efficiency"],
                           headroom_bytes=int(budget * PLAN_HEADROOM_FRACTION))
     table = build_choice_table(profile, cluster, plan["micro_batch_size"],
-                               choices=BASE_CHOICES + split_choices_for(SPLIT_FACTORS))
+                               choices=choice_space(cluster, ChoiceOptions(split_factors=SPLIT_FACTORS)))
     priced = priced_table(table, profile, terms)
     solution = solve_choice_table(priced, budget - cluster.headroom_bytes)
     if not solution.feasible:

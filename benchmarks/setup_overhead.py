@@ -56,7 +56,7 @@ def run_worker(model: str, steps: int, out: Path, accelerator: str, devices: int
     import osdp_lightning  # noqa: F401  (registers strategy="osdp")
     from osdp_lightning import TrainingSummary
 
-    with initialize_config_module("conf", version_base="1.3"):
+    with initialize_config_module("osdp_lightning.conf", version_base="1.3"):
         cfg = compose("train", overrides=["output_dir=/tmp/unused", f"model={model}", "cluster=cpu_2",
                                           "strategy=osdp"])
     pl.seed_everything(cfg.seed, workers=True)

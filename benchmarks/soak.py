@@ -1,6 +1,6 @@
 """Soak test: a long osdp run on 2 CPU ranks with periodic checkpoints; is anything leaking?
 
-    python benchmarks/soak.py --steps 1000 --budget 1MiB --out soak.json
+    ./dev bench soak --steps 1000 --budget 1MiB --out soak.json
 
 Every rank samples its resident memory (RSS) after every step and reports, per 100-step window,
 the window's peak RSS, open file descriptors and threads. After warm-up (the first two windows)
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 import tracemalloc
@@ -25,9 +24,7 @@ import lightning as L
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "scripts"))
-from toy_models import MLP  # noqa: E402
-
+from benchmarks.toy import MLP  # noqa: E402
 from osdp_lightning import OSDPStrategy  # noqa: E402
 
 WINDOW = 100

@@ -120,17 +120,25 @@ def mib(n: float) -> str:
 
 def solve_plans(profile, cluster, factors: tuple[int, ...]) -> tuple[dict, dict]:  # noqa: ANN001
     """Rank 0: smallest feasible peaks and the plans to run, by label."""
-    from osdp_lightning.cost import BASE_CHOICES, ZERO3, build_choice_table, split_choice, split_choices_for
+    from osdp_lightning.choices import (
+        BASE_CHOICES,
+        REPLICATE,
+        ZERO3,
+        ChoiceOptions,
+        choice_space,
+        split_choice,
+    )
+    from osdp_lightning.cost import build_choice_table
     from osdp_lightning.plan import make_plan
     from osdp_lightning.solve import smallest_feasible_budget
 
-    with_split = BASE_CHOICES + split_choices_for(factors)
-    choice_sets = {"no split": BASE_CHOICES, "split": with_split, "all replicate": ("replicate",)}
+    with_split = choice_space(cluster, ChoiceOptions(split_factors=factors))
+    choice_sets = {"no split": BASE_CHOICES, "split": with_split, "all replicate": (REPLICATE,)}
     choice_sets.update({f"only k={k}": (ZERO3, split_choice(k, k)) for k in factors})
     peaks = {label: smallest_feasible_budget(build_choice_table(profile, cluster, choices=choices))
              for label, choices in choice_sets.items()}
 
-    def plan_at(budget: int, choices: tuple[str, ...]):  # noqa: ANN202
+    def plan_at(budget: int, choices: tuple):  # noqa: ANN202
         return make_plan(profile, dataclasses.replace(cluster, memory_budget_bytes=budget), choices=choices)
 
     plans = {f"smallest, {label}": plan_at(peaks[label], choice_sets[label])
@@ -185,7 +193,7 @@ def bench(rank: int, port: int, hidden: int, steps: int, factors: tuple[int, ...
     try:
         from osdp_lightning.apply import build_meshes
         from osdp_lightning.calibrate import measure_collectives
-        from osdp_lightning.cost import ClusterSpec
+        from osdp_lightning.cluster import ClusterSpec
         from osdp_lightning.profile import measure_split_overheads, profile_lightning_module
 
         timings = measure_collectives(torch.device("cpu"))

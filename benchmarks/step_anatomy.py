@@ -46,7 +46,7 @@ class _Root(nn.Module):
 
 
 def make_module(args: argparse.Namespace) -> nn.Module:
-    from recipes.gpt import GPT, GPTConfig, GPTLitModule
+    from osdp_lightning.recipes.gpt import GPT, GPTConfig, GPTLitModule
 
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=384, block_size=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
@@ -85,7 +85,7 @@ def bare_collectives(layout: str, unit_params: list[int]) -> Callable[[], None]:
 def plan_and_profile(module: nn.Module, batch: dict, args: argparse.Namespace) -> tuple[dict, list[int], dict]:
     """Rank 0's profile, calibration and uniform-plan predictions, shared with every rank."""
     from osdp_lightning.calibrate import measure_collectives
-    from osdp_lightning.cost import ClusterSpec
+    from osdp_lightning.cluster import ClusterSpec
     from osdp_lightning.plan import make_plan
     from osdp_lightning.profile import profile_lightning_module
 

@@ -5,10 +5,11 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from osdp_lightning.budget import format_bytes, parse_bytes
+from osdp_lightning.budget import MemoryBudget, format_bytes, parse_bytes, parse_memory_budget
 from osdp_lightning.callbacks import TrainingSummary
-from osdp_lightning.cost import ClusterSpec
+from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.plan import InfeasibleBudgetError, Plan, PlanMismatchError, make_plan
+from osdp_lightning.profile import is_profiling
 from osdp_lightning.strategy import OSDPStrategy
 
 OSDPStrategy.register_strategies(StrategyRegistry)
@@ -16,12 +17,15 @@ OSDPStrategy.register_strategies(StrategyRegistry)
 __all__ = [
     "ClusterSpec",
     "InfeasibleBudgetError",
+    "MemoryBudget",
     "OSDPStrategy",
     "Plan",
     "PlanMismatchError",
     "TrainingSummary",
     "format_bytes",
+    "is_profiling",
     "make_plan",
     "parse_bytes",
+    "parse_memory_budget",
 ]
 __version__ = "0.1.0"

@@ -5,9 +5,12 @@ deadlock the first collective):
 
 1. build the two meshes every choice needs (a 1-D shard mesh, a 2-D (W, 1) replicate mesh),
    plus a 2-D (W/g, g) mesh for each group size g of the plan's ``hsdp(g=G)`` choices;
-2. replace Linear layers planned as ``split(k, j)`` by ``SplitLinear`` and shard their slices;
-3. ``fully_shard`` every other unit, bottom-up, with its planned mesh and resharding;
-4. ``fully_shard`` the root last: it takes every parameter no unit owns.
+2. apply every unit's choice in plan order (its family's module in ``osdp_lightning/choices/``
+   says how: ``fully_shard`` arguments, or a transform such as ``split(k, j)``'s SplitLinear);
+3. apply the root's choice last: it takes every parameter no unit owns;
+4. build one DDP reducer for every replicated parameter (``osdp_lightning/replicate.py``): replicate
+   units and split's replicated slices were only marked, and every ``fully_shard`` above them was
+   told to ignore them.
 """
 
 from __future__ import annotations
@@ -17,18 +20,12 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from osdp_lightning.cost import (
-    REPLICATE,
-    ZERO2,
-    ZERO3,
-    parse_hsdp_choice,
-    parse_split_choice,
-    parse_zero3_reshard_choice,
-)
+from osdp_lightning.choices import apply_choice, mesh_group_sizes
 from osdp_lightning.plan import Plan
 from osdp_lightning.profile import ROOT
+from osdp_lightning.replicate import finish_replicate
 
 
 @dataclass(frozen=True)
@@ -44,7 +41,7 @@ class Meshes:
 
 
 def build_meshes(device_type: str, world_size: int, group_sizes: tuple[int, ...] = ()) -> Meshes:
-    # NOTE: fully_shard refuses a 2-D mesh without mesh_dim_names (checked in design.md).
+    # NOTE: fully_shard refuses a 2-D mesh without mesh_dim_names (torch 2.13).
     return Meshes(
         shard=init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",)),
         replicate=init_device_mesh(device_type, (world_size, 1), mesh_dim_names=("replicate", "shard")),
@@ -64,30 +61,11 @@ def with_group_meshes(meshes: Meshes, plan: Plan) -> Meshes:
     Every rank builds the same missing meshes in the same (sorted) order, so this is safe to call
     from :func:`apply_plan` on every rank.
     """
-    needed = sorted({g for u in plan.units if (g := parse_hsdp_choice(u.choice)) is not None} - set(meshes.groups))
+    needed = sorted(set(mesh_group_sizes(u.choice for u in plan.units)) - set(meshes.groups))
     if not needed:
         return meshes
     device_type, world_size = meshes.shard.device_type, meshes.shard.size()
     return replace(meshes, groups={**meshes.groups, **{g: _group_mesh(device_type, world_size, g) for g in needed}})
-
-
-def shard_kwargs(choice: str, meshes: Meshes) -> dict:
-    """``fully_shard`` keyword arguments of a base choice (design.md section 3)."""
-    if choice == REPLICATE:
-        return {"mesh": meshes.replicate, "reshard_after_forward": True}
-    if choice == ZERO2:
-        return {"mesh": meshes.shard, "reshard_after_forward": False}
-    if choice == ZERO3:
-        return {"mesh": meshes.shard, "reshard_after_forward": True}
-    if (group := parse_hsdp_choice(choice)) is not None:
-        if group not in meshes.groups:
-            raise ValueError(f"{choice} needs a ({meshes.shard.size() // group}, {group}) mesh: build it with "
-                             "build_meshes(..., group_sizes) or with_group_meshes(meshes, plan)")
-        return {"mesh": meshes.groups[group], "reshard_after_forward": True}
-    if (group := parse_zero3_reshard_choice(choice)) is not None:
-        # NOTE: FSDP2 reshards to rows of `group` consecutive ranks: the backward all-gather stays in a node.
-        return {"mesh": meshes.shard, "reshard_after_forward": group}
-    raise ValueError(f"unknown choice {choice!r}")
 
 
 def apply_plan(model: nn.Module, root: nn.Module, plan: Plan, meshes: Meshes,
@@ -100,27 +78,11 @@ def apply_plan(model: nn.Module, root: nn.Module, plan: Plan, meshes: Meshes,
     policy = mp_policy or MixedPrecisionPolicy()
     meshes = with_group_meshes(meshes, plan)
     for unit in plan.units:
-        if unit.name == ROOT:
-            continue
-        split = parse_split_choice(unit.choice)
-        if split is not None:
-            _apply_split(model, unit.module_names[0], split, meshes, policy)
-            continue
-        modules = [model.get_submodule(name) for name in unit.module_names]
-        # Tied modules share one parameter group: FSDP2's list form keeps them together.
-        target = modules[0] if len(modules) == 1 else modules
-        fully_shard(target, **shard_kwargs(unit.choice, meshes), mp_policy=policy)
-    root_choice = plan.choice_of(ROOT)
-    fully_shard(root, **shard_kwargs(root_choice, meshes), mp_policy=policy)
-
-
-def _apply_split(model: nn.Module, name: str, split: tuple[int, int], meshes: Meshes,
-                 policy: MixedPrecisionPolicy) -> None:
-    from osdp_lightning.split import shard_split_linear, split_linear_in_module
-
-    k, sharded = split
-    split_module = split_linear_in_module(model, name, k)
-    shard_split_linear(split_module, sharded, meshes.shard, meshes.replicate, policy)
+        if unit.name != ROOT:
+            apply_choice(model, unit.module_names, unit.choice, meshes, policy)
+    apply_choice(root, (ROOT,), plan.choice_of(ROOT), meshes, policy)
+    # Replicated units (and slices) were only marked: one DDP reducer takes all of them.
+    finish_replicate(root, meshes.shard, policy)
 
 
 def mixed_precision_policy(precision: str | None) -> MixedPrecisionPolicy:

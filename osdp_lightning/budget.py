@@ -1,4 +1,14 @@
-"""Memory budgets: parsing ``"8GiB"`` / ``"512MB"`` / ints, and the documented defaults.
+"""Memory budgets: the forms people say, and the documented defaults.
+
+Accepted forms of ``memory_budget`` (per rank), in Python and in conf alike:
+
+- bytes: an int (at least 1 MiB; a bare ``70`` is refused as ambiguous) or a size with a unit,
+  ``"6GiB"``, ``"512MB"``, ``"1.5G"`` (G = GiB);
+- ``"70%"``: a share of the device (CUDA: its total memory; CPU: the process's share of physical
+  memory, i.e. physical memory over the processes of this node), at most 100%;
+- ``"95%ddp"`` (or ``%replicate``, ``%zero2``, ``%zero3``): a share of the predicted peak of that
+  uniform plan for this model at the profiled micro-batch size, resolved after profiling. Plans
+  keep their headroom inside this budget too, so ``"100%ddp"`` is a budget ddp itself exceeds.
 
 Defaults (when ``memory_budget`` is not given):
 
@@ -7,20 +17,30 @@ Defaults (when ``memory_budget`` is not given):
 - CPU: :data:`CPU_SHARE_FRACTION` (80%) of the machine's physical memory, shared evenly by the
   processes of this node.
 
-Within the budget, plans keep :data:`PLAN_HEADROOM_FRACTION` (5%) free for what the cost model
-does not see (allocator slack, gradient temporaries, the loss computation).
+Within the budget, plans keep a headroom free for what the cost model misses
+(:func:`plan_headroom_bytes`; ``headroom=`` on the strategy, ``strategy.headroom`` in conf):
+
+- CPU: :data:`PLAN_HEADROOM_FRACTION` (2%): the memory model's measured miss here (predicted peaks
+  within +1.6% / -0.0% of FSDPMemTracker's in every benchmark run, docs/benchmarks.md);
+- CUDA: that plus the caching allocator's fragmentation measured while profiling (reserved over
+  allocated bytes at the peak, at most 10%), else :data:`CUDA_PLAN_HEADROOM_FRACTION` (5%, not
+  measured on a GPU here).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 
 CUDA_HEADROOM_FRACTION = 0.08
 CPU_SHARE_FRACTION = 0.80
-PLAN_HEADROOM_FRACTION = 0.05
+PLAN_HEADROOM_FRACTION = 0.02
+CUDA_PLAN_HEADROOM_FRACTION = 0.05
+MAX_FRAGMENTATION = 0.10
 
 _UNITS = {
     "": 1, "b": 1,
@@ -29,6 +49,13 @@ _UNITS = {
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
 _BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SHARE_RE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+)\s*%\s*([a-zA-Z0-9_]*)\s*$")
+BUDGET_BASELINES = {"ddp": "replicate", "replicate": "replicate", "zero2": "zero2", "zero3": "zero3"}
+"""Baselines a budget may be a share of (``"95%ddp"``), and the uniform choice each one is."""
+MIN_BYTES_BUDGET = 2**20
+ACCEPTED_FORMS = ("bytes as an int (>= 1 MiB, e.g. 8589934592), a size such as '8GiB' or '512MB', "
+                  "a share of the device such as '70%', or a share of a baseline's predicted peak "
+                  "such as '95%ddp' (ddp, zero2, zero3)")
 
 
 def parse_bytes(value: int | float | str) -> int:
@@ -64,10 +91,125 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def device_memory_bytes(device: torch.device, local_world_size: int) -> int:
+    """What ``"100%"`` means: a CUDA device's total memory, or on CPU this process's share of the
+    machine's physical memory (shared evenly by the ``local_world_size`` processes of the node)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(physical / max(local_world_size, 1))
+
+
 def default_memory_budget(device: torch.device, local_world_size: int) -> int:
     """The documented default budget for ``device`` (see the module docstring)."""
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        return int(total * (1 - CUDA_HEADROOM_FRACTION))
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(physical * CPU_SHARE_FRACTION / max(local_world_size, 1))
+    share = 1 - CUDA_HEADROOM_FRACTION if device.type == "cuda" else CPU_SHARE_FRACTION
+    return int(device_memory_bytes(device, local_world_size) * share)
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """A per-rank budget as it was said: bytes, a share of the device, or a share of a baseline's peak.
+
+    Exactly one of ``bytes`` and ``share`` is set; ``baseline`` is set only with ``share``.
+    """
+
+    text: str
+    """The budget as given (``"6GiB"``, ``"70%"``, ``"95%ddp"``), for messages and logs."""
+    bytes: int | None = None
+    """An absolute budget in bytes."""
+    share: float | None = None
+    """A fraction (0.7 for ``"70%"``) of the device or of ``baseline``'s predicted peak."""
+    baseline: str | None = None
+    """The uniform choice (``"replicate"``, ``"zero2"``, ``"zero3"``) whose peak ``share`` scales."""
+
+    @property
+    def needs_profile(self) -> bool:
+        """Whether the budget is known only after profiling (a share of a baseline's peak)."""
+        return self.baseline is not None
+
+    def of_device(self, device_bytes: int) -> int:
+        """The budget in bytes on a device of ``device_bytes`` (a baseline share: the device, for now)."""
+        if self.bytes is not None:
+            return self.bytes
+        return device_bytes if self.baseline is not None else int(self.share * device_bytes)
+
+    def of_peak(self, baseline_peak_bytes: int) -> int:
+        """The budget in bytes once the baseline's predicted peak is known."""
+        if self.baseline is None:
+            raise ValueError(f"memory budget {self.text!r} is not a share of a baseline's peak")
+        return int(self.share * baseline_peak_bytes)
+
+
+def parse_memory_budget(value: int | float | str | MemoryBudget) -> MemoryBudget:
+    """A :class:`MemoryBudget` from any accepted form (see the module docstring).
+
+    Raises ``ValueError`` naming the bad value and the accepted forms.
+    """
+    if isinstance(value, MemoryBudget):
+        return value
+    text = str(value).strip()
+    if isinstance(value, str) and "%" in text:
+        return _parse_share(text, _SHARE_RE.match(text))
+    if isinstance(value, str) and text.startswith("-"):
+        raise ValueError(f"memory budget {value!r} must be positive; accepted forms: {ACCEPTED_FORMS}")
+    try:
+        number = parse_bytes(value)
+    except ValueError as err:
+        reason = str(err).split(":")[0]  # "cannot read memory budget 'x'" or "... must be positive ..."
+        raise ValueError(f"{reason}; accepted forms: {ACCEPTED_FORMS}") from None
+    # NOTE: a bare number is bytes; one too small to hold any model is most likely a forgotten "%" or unit.
+    if number < MIN_BYTES_BUDGET:
+        raise ValueError(f"memory budget {value!r} is {number} bytes, too small to hold a model: did you mean "
+                         f"'{value}%' or '{value}GiB'? Accepted forms: {ACCEPTED_FORMS}")
+    return MemoryBudget(text=text, bytes=number)
+
+
+def _parse_share(text: str, match: re.Match | None) -> MemoryBudget:
+    base = match.group(2).lower() if match else None
+    if match is None or (base and base not in BUDGET_BASELINES):
+        raise ValueError(f"cannot read memory budget {text!r}; accepted forms: {ACCEPTED_FORMS}")
+    percent = float(match.group(1))
+    if not (percent > 0 and math.isfinite(percent)):
+        raise ValueError(f"memory budget {text!r} must be positive; accepted forms: {ACCEPTED_FORMS}")
+    if not base and percent > 100:
+        raise ValueError(f"memory budget {text!r} is more than the whole device: a share of the device lies in "
+                         f"(0%, 100%]; for more than a baseline's peak say e.g. '120%zero3'")
+    return MemoryBudget(text=text, share=percent / 100, baseline=BUDGET_BASELINES[base] if base else None)
+
+
+def absolute_budget_bytes(value: int | float | str | None) -> int | None:
+    """Bytes of a budget given in bytes or as a size; ``None`` for shares and missing values."""
+    if value is None:
+        return None
+    budget = parse_memory_budget(value)
+    return budget.bytes
+
+
+def plan_headroom_bytes(headroom: float | int | str | None, budget_bytes: int, device: torch.device,
+                        fragmentation: float | None = None) -> int:
+    """Bytes of ``budget_bytes`` a plan keeps free (see :func:`plan_headroom`)."""
+    nbytes, share = plan_headroom(headroom, device, fragmentation)
+    return max(nbytes, int(budget_bytes * share))
+
+
+def plan_headroom(headroom: float | int | str | None, device: torch.device,
+                  fragmentation: float | None = None) -> tuple[int, float]:
+    """The headroom rule as ``(bytes, share of the budget)``: a plan keeps the larger free
+    (``ClusterSpec.headroom_bytes`` / ``headroom_fraction``; a budget at or below it is refused
+    by :func:`osdp_lightning.plan.make_plan`, naming both figures).
+
+    ``headroom``: a share of the budget (a float below 1, e.g. ``0.05``), bytes (an int or a size
+    such as ``"256MiB"``), or ``None`` for the default of the device (module docstring), where
+    ``fragmentation`` is the CUDA allocator's ``max_memory_reserved / max_memory_allocated - 1``.
+    """
+    if headroom is None:
+        if device.type != "cuda":
+            return 0, PLAN_HEADROOM_FRACTION
+        if fragmentation is None:
+            return 0, CUDA_PLAN_HEADROOM_FRACTION
+        return 0, PLAN_HEADROOM_FRACTION + min(max(fragmentation, 0.0), MAX_FRAGMENTATION)
+    if isinstance(headroom, float) and 0 <= headroom < 1:
+        return 0, headroom
+    if headroom in (0, "0"):
+        return 0, 0.0
+    return parse_bytes(headroom), 0.0

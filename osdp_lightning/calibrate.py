@@ -1,19 +1,52 @@
-"""Collective timings measured on the live process group (part of the cost stage).
+"""Timings measured on the live process group at setup (part of the cost stage).
 
-A few timed collectives give latency (alpha), bandwidth and how much of a collective really
-hides behind compute. Every rank takes part in the collectives, but only rank 0's numbers are
-used: they are broadcast, because plans derived from per-rank timings would differ and deadlock.
+- :func:`measure_collectives`: latency (alpha), all-gather bandwidth and how much of a collective
+  hides behind compute (the cluster's link figures);
+- :func:`calibrate_step_terms`: every step-time term besides compute
+  (:class:`~osdp_lightning.step_terms.StepTerms`): each collective kind at two sizes, FSDP2's own
+  work and the optimizer step per choice, from tiny plans applied with the project's own
+  :func:`~osdp_lightning.apply.apply_plan` (so whatever machinery a choice uses is what is priced),
+  cached per machine under ``~/.cache/osdp_lightning/``.
+
+Every rank takes part in the collectives, but only rank 0's numbers are used: they are
+broadcast, because plans derived from per-rank timings would differ and deadlock.
 """
 
 from __future__ import annotations
 
+import inspect
+import json
+import os
+import platform
 import statistics
 import time
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from osdp_lightning.step_terms import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    COLLECTIVES,
+    MACHINERY,
+    PLAIN,
+    REDUCE_SCATTER,
+    SPLIT_REPLICATED,
+    Affine,
+    StepTerms,
+)
+from osdp_lightning.units import ROOT
+
+if TYPE_CHECKING:  # NOTE: no runtime import: cluster.py imports this module, plan.py imports cluster.py
+    from osdp_lightning.apply import Meshes
+    from osdp_lightning.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -77,3 +110,311 @@ def measure_collectives(device: torch.device, payload_bytes: int = 8 * 2**20, re
     dist.broadcast(figures, src=0, group=group)
     latency, bandwidth, overlap = (float(x) for x in figures.tolist())
     return CollectiveTimings(latency, bandwidth, overlap, time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------------------------------------
+# Step terms: each collective at two sizes, FSDP2's own work and the optimizer step per choice
+# ---------------------------------------------------------------------------------------------
+CACHE_ENV = "OSDP_LIGHTNING_CACHE_DIR"
+"""Directory of the per-machine calibration cache (default ``~/.cache/osdp_lightning``; tests
+point it at a temporary directory)."""
+CACHE_FORMAT = 1
+CACHE_MAX_AGE_S = 7 * 24 * 3600.0
+"""A cache older than this is stale (machines change: drivers, load, other tenants)."""
+COLLECTIVE_BYTES = (64 * 2**10, 2 * 2**20)
+"""Unsharded bytes of the two timed sizes of each collective."""
+STACK_WIDTHS = (128, 512)
+"""Widths of the two Linear stacks (64 KiB and 1 MiB per unit; the rates carry to larger units)."""
+STACK_DEPTH = 3
+STACK_ROWS = 8
+SPLIT_CHOICE = "split(k=2, sharded=1)"
+
+
+class _Stack(nn.Module):
+    """``depth`` Linear units of ``width`` (one FSDP2 group each under a plan)."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+class _StackRoot(nn.Module):
+    """The outermost module, as the strategy's wrapper: its forward computes the loss."""
+
+    def __init__(self, stack: _Stack, x: torch.Tensor) -> None:
+        super().__init__()
+        self.stack, self.x = stack, x
+
+    def forward(self) -> torch.Tensor:
+        return self.stack(self.x).square().mean()
+
+
+@dataclass
+class _Bench:
+    root: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    step_s: list[float]
+    optimizer_s: list[float]
+
+
+def _stack_plan(depth: int, width: int, choice: str, root_choice: str, world: int) -> Plan:
+    from osdp_lightning.plan import Plan, UnitPlan
+
+    units = [UnitPlan(name=f"layers.{i}", module_names=(f"layers.{i}",), param_count=width * width + width,
+                      choice=choice, predicted_bytes=0, predicted_comm_s=0.0) for i in range(depth)]
+    units.append(UnitPlan(name=ROOT, module_names=(ROOT,), param_count=0, choice=root_choice, predicted_bytes=0,
+                          predicted_comm_s=0.0))
+    return Plan(units=tuple(units), world_size=world, micro_batch_size=STACK_ROWS, memory_budget_bytes=2**40,
+                predicted_peak_bytes=0, predicted_step_s=0.0, predicted_throughput=0.0, activation_bytes=0,
+                solver_status="calibration", source="calibration")
+
+
+def clone_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class and settings over ``params``."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+    return type(optimizer)(params, **defaults)
+
+
+def _build_bench(config: str, width: int, device: torch.device, meshes: Meshes,
+                 optimizer: torch.optim.Optimizer | None) -> _Bench:
+    """One stack under ``config``: ``local`` / ``local_split`` (no FSDP2) or a choice for every unit."""
+    from osdp_lightning.apply import apply_plan
+    from osdp_lightning.split import split_linear_in_module
+
+    torch.manual_seed(0)  # same weights on every rank, as a real model has
+    stack = _Stack(width, STACK_DEPTH).to(device)
+    root = _StackRoot(stack, torch.randn(STACK_ROWS, width, device=device))
+    world = meshes.shard.size()
+    if config == "local_split":
+        for i in range(STACK_DEPTH):
+            split_linear_in_module(stack, f"layers.{i}", 2)
+    elif config != "local":
+        root_choice = "zero3" if config == SPLIT_CHOICE else config  # a split's biases live in the root
+        apply_plan(stack, root, _stack_plan(STACK_DEPTH, width, config, root_choice, world), meshes)
+    clone = clone_optimizer(optimizer, list(root.parameters())) if optimizer is not None else None
+    return _Bench(root, clone, [], [])
+
+
+def _bench_step(bench: _Bench, device: torch.device) -> tuple[float, float]:
+    if bench.optimizer is not None:
+        bench.optimizer.zero_grad(set_to_none=True)
+    _sync(device)
+    start = time.perf_counter()
+    bench.root().backward()
+    _sync(device)
+    middle = time.perf_counter()
+    if bench.optimizer is not None:
+        bench.optimizer.step()
+    _sync(device)
+    return middle - start, time.perf_counter() - middle
+
+
+def _time_benches(benches: dict[tuple[str, int], _Bench], device: torch.device, repeats: int) -> None:
+    """Warm every bench up once, then step each in turn ``repeats`` times (order reversed every
+    other round, so that a change of load hits all alike)."""
+    names = list(benches)
+    for name in names:
+        _bench_step(benches[name], device)
+    for index in range(repeats):
+        for name in names if index % 2 == 0 else names[::-1]:
+            step_s, optimizer_s = _bench_step(benches[name], device)
+            benches[name].step_s.append(step_s)
+            benches[name].optimizer_s.append(optimizer_s)
+
+
+def _time_collective_sizes(device: torch.device, repeats: int) -> dict[str, float]:
+    """Median seconds of each collective kind at both sizes, keyed ``"<kind>@<bytes>"``."""
+    world = dist.get_world_size()
+    ops: dict[str, Callable[[], Any]] = {}
+    for nbytes in COLLECTIVE_BYTES:
+        numel = max(nbytes // 4 // world, 1) * world
+        full, shard = torch.zeros(numel, device=device), torch.zeros(numel // world, device=device)
+        ops[f"{ALL_GATHER}@{numel * 4}"] = lambda f=full, s=shard: dist.all_gather_into_tensor(f, s)
+        ops[f"{REDUCE_SCATTER}@{numel * 4}"] = lambda f=full, s=shard: dist.reduce_scatter_tensor(s, f)
+        ops[f"{ALL_REDUCE}@{numel * 4}"] = lambda f=full: dist.all_reduce(f)
+    samples: dict[str, list[float]] = {name: [] for name in ops}
+    with warnings.catch_warnings():  # renamed in newer torch; the old name works from 2.6 on
+        warnings.simplefilter("ignore", FutureWarning)
+        for op in ops.values():
+            op()
+        for index in range(repeats):
+            for name in list(ops) if index % 2 == 0 else list(ops)[::-1]:
+                _sync(device)
+                start = time.perf_counter()
+                ops[name]()
+                _sync(device)
+                samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def _fit(x1: float, y1: float, x2: float, y2: float, count: float) -> Affine:
+    """``y = constant * count + rate * x`` through two points; both parts at least 0."""
+    rate = max((y2 - y1) / (x2 - x1), 0.0)
+    return Affine(max((y1 - rate * x1) / count, 0.0), rate)
+
+
+def _stack_comm_s(collectives: dict[str, Affine], config: str, width: int, world: int) -> float:
+    """Seconds the cost model itself gives the stack's collectives under ``config`` (so that what
+    is left of the measurement is exactly what the model lacks)."""
+    from osdp_lightning.cluster import ClusterSpec
+    from osdp_lightning.cost import build_choice_table
+    from osdp_lightning.profile import ModelProfile, UnitProfile
+    from osdp_lightning.solve import step_seconds
+
+    units = [UnitProfile(f"layers.{i}", (f"layers.{i}",), width * width + width, 0, 0.0, 0.0, 0,
+                         linear_shape=(width, width), split_overhead_s=((2, 0.0),), tensor_count=2)
+             for i in range(STACK_DEPTH)]
+    units.append(UnitProfile(ROOT, (ROOT,), 0, 0, 0.0, 0.0, 0, tensor_count=0))
+    profile = ModelProfile(units=tuple(units), micro_batch_size=STACK_ROWS, param_bytes_per_element=4,
+                           grad_bytes_per_element=4, compute_bytes_per_element=4, reduce_bytes_per_element=4,
+                           optimizer_bytes_per_param=0, activation_bytes=0)
+    zero = Affine(0.0, 0.0)
+    comm_only = StepTerms(collectives=collectives, overhead={k: zero for k in MACHINERY},
+                          optimizer={k: zero for k in (*MACHINERY, PLAIN)}, loop_step_s=0.0)
+    cluster = ClusterSpec(world_size=world, memory_budget_bytes=2**40,
+                          collective_latency_s=collectives[ALL_REDUCE].constant_s,
+                          bandwidth_bytes_per_s=1.0 / max(collectives[ALL_GATHER].per_byte_s, 1e-15),
+                          step_terms=comm_only)
+    root_choice = "zero3" if config == SPLIT_CHOICE else config
+    table = build_choice_table(profile, cluster, choices=(config, root_choice))
+    return step_seconds(table, [config] * STACK_DEPTH + [root_choice])
+
+
+def _fit_terms(collective_s: dict[str, float], benches: dict[tuple[str, int], _Bench], world: int,
+               split: bool) -> tuple[dict[str, Affine], dict[str, Affine], dict[str, Affine]]:
+    """Collectives, FSDP2 overhead and optimizer terms from the medians (see the module docstring)."""
+    collectives = {}
+    for kind in COLLECTIVES:
+        (b1, t1), (b2, t2) = sorted((int(k.split("@")[1]), v) for k, v in collective_s.items()
+                                    if k.startswith(kind + "@"))
+        ring = (world - 1) / world
+        collectives[kind] = _fit(b1 * ring, t1, b2 * ring, t2, 1)
+    step = {k: statistics.median(b.step_s) for k, b in benches.items()}
+    opt = {k: statistics.median(b.optimizer_s) if b.optimizer_s else 0.0 for k, b in benches.items()}
+    w1, w2 = STACK_WIDTHS
+    unit_bytes = {w: (w * w + w) * 4 for w in STACK_WIDTHS}
+    n = STACK_DEPTH
+    overhead, optimizer = {}, {PLAIN: _fit(unit_bytes[w1], opt["local", w1] / n, unit_bytes[w2], opt["local", w2] / n, 2)}
+    for choice in ("replicate", "zero2", "zero3"):
+        extra = {w: (step[choice, w] - step["local", w] - _stack_comm_s(collectives, choice, w, world)) / n
+                 for w in STACK_WIDTHS}
+        overhead[choice] = _fit(unit_bytes[w1], extra[w1], unit_bytes[w2], extra[w2], 1)
+        optimizer[choice] = _fit(unit_bytes[w1], opt[choice, w1] / n, unit_bytes[w2], opt[choice, w2] / n, 2)
+    if not split:  # NOTE: like zero2, a replicated slice is gathered once per step and kept until backward
+        overhead[SPLIT_REPLICATED], optimizer[SPLIT_REPLICATED] = overhead["zero2"], optimizer["replicate"]
+        return collectives, overhead, optimizer
+    # Per unit: a zero3 slice group and a replicated slice group of half the weight each; the bias
+    # (in the root's zero3 group) is priced as one more zero3 tensor.
+    half = {w: w * w * 2 for w in STACK_WIDTHS}
+    slice_s = {w: (step[SPLIT_CHOICE, w] - step["local_split", w] - _stack_comm_s(collectives, SPLIT_CHOICE, w, world)) / n
+               - overhead["zero3"].seconds(1, half[w]) for w in STACK_WIDTHS}
+    slice_opt = {w: opt[SPLIT_CHOICE, w] / n - optimizer["zero3"].seconds(2, half[w] + 4 * w) for w in STACK_WIDTHS}
+    overhead[SPLIT_REPLICATED] = _fit(half[w1], slice_s[w1], half[w2], slice_s[w2], 1)
+    optimizer[SPLIT_REPLICATED] = _fit(half[w1], slice_opt[w1], half[w2], slice_opt[w2], 1)
+    return collectives, overhead, optimizer
+
+
+def measure_step_terms(device: torch.device, optimizer: torch.optim.Optimizer | None, meshes: Meshes, *,
+                       split: bool = True, loop_step_s: float = 0.0, repeats: int = 3) -> StepTerms:
+    """Time collectives and tiny plans on every rank; fit the terms from rank 0's medians."""
+    start, start_cpu = time.perf_counter(), time.process_time()
+    collective_s = _time_collective_sizes(device, repeats + 2)
+    configs = ["local", "replicate", "zero2", "zero3"] + (["local_split", SPLIT_CHOICE] if split else [])
+    benches = {(c, w): _build_bench(c, w, device, meshes, optimizer) for w in STACK_WIDTHS for c in configs}
+    _time_benches(benches, device, repeats)
+    raw: list[Any] = [(collective_s, {k: (b.step_s, b.optimizer_s) for k, b in benches.items()})]
+    dist.broadcast_object_list(raw, src=0)
+    collective_s = raw[0][0]
+    for key, (step_s, optimizer_s) in raw[0][1].items():
+        benches[key].step_s, benches[key].optimizer_s = step_s, optimizer_s
+    collectives, overhead, optimizer_terms = _fit_terms(collective_s, benches, meshes.shard.size(), split)
+    extra = {f"{c}@{w}_step_s": statistics.median(b.step_s) for (c, w), b in benches.items()}
+    extra.update({f"{c}@{w}_optimizer_s": statistics.median(b.optimizer_s) for (c, w), b in benches.items()
+                  if b.optimizer_s})
+    extra.update({f"{k}_s": v for k, v in collective_s.items()})
+    # NOTE: CPU seconds of this process say what the wall time would be on an idle machine.
+    elapsed = [time.perf_counter() - start, time.process_time() - start_cpu]
+    dist.broadcast_object_list(elapsed, src=0)
+    extra["calibrate_cpu_s"] = elapsed[1]
+    return StepTerms(collectives, overhead, optimizer_terms, loop_step_s, source="measured at setup",
+                     calibrate_s=elapsed[0], extra=extra)
+
+
+# -- the per-machine cache ------------------------------------------------------------------------
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "osdp_lightning")
+
+
+def calibration_key(device: torch.device, world_size: int, ranks_per_node: int,
+                    optimizer: torch.optim.Optimizer | None, split: bool) -> dict[str, Any]:
+    """What the cached terms were measured for; any difference makes a cache foreign."""
+    flags = {k: optimizer.defaults.get(k) for k in ("foreach", "fused", "amsgrad", "capturable")} if optimizer else {}
+    return {"format": CACHE_FORMAT, "host": platform.node(), "torch": torch.__version__,
+            "backend": dist.get_backend() if dist.is_initialized() else None, "device": device.type,
+            "world_size": world_size, "ranks_per_node": ranks_per_node, "split": split,
+            "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}" if optimizer else None,
+            "optimizer_flags": {k: repr(v) for k, v in flags.items()}}
+
+
+def cache_file(key: dict[str, Any]) -> Path:
+    return cache_dir() / f"step_terms_{key['device']}_w{key['world_size']}_r{key['ranks_per_node']}.json"
+
+
+def read_cache(path: Path, key: dict[str, Any], max_age_s: float = CACHE_MAX_AGE_S) -> StepTerms | None:
+    """The cached terms, or ``None`` with one line saying why a cache that exists is not trusted."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("key"), dict):
+            raise ValueError("no key")
+        if data["key"].get("format") != CACHE_FORMAT:
+            reason = f"stale (format {data['key'].get('format')}, now {CACHE_FORMAT})"
+        elif data["key"] != key:
+            differ = sorted(k for k in set(key) | set(data["key"]) if key.get(k) != data["key"].get(k))
+            reason = f"foreign (measured for another {', '.join(differ)})"
+        elif not time.time() - float(data["written_at"]) <= max_age_s:
+            reason = f"stale (older than {max_age_s / 86400:g} days)"
+        else:
+            return StepTerms.from_dict(data["terms"], source=f"cache {path}")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        reason = f"corrupt ({type(err).__name__}: {err})"
+    rank_zero_info(f"osdp: ignoring the calibration cache {path}: {reason}; measuring again")
+    return None
+
+
+def write_cache(path: Path, key: dict[str, Any], terms: StepTerms) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "written_at": time.time(), "terms": terms.to_dict()}, indent=1))
+        tmp.replace(path)  # atomic: a reader never sees half a file
+    except OSError as err:
+        rank_zero_info(f"osdp: could not write the calibration cache {path} ({err})")
+
+
+def calibrate_step_terms(device: torch.device, optimizer: torch.optim.Optimizer | None, meshes: Meshes, *,
+                         ranks_per_node: int, split: bool = True, loop_step_s: float = 0.0,
+                         use_cache: bool = True) -> StepTerms:
+    """The step terms of this process group: from the cache when rank 0 trusts it, else measured
+    (every rank must call this; every rank returns rank 0's terms)."""
+    world = dist.get_world_size()
+    key = calibration_key(device, world, ranks_per_node, optimizer, split)
+    found: list[Any] = [None]
+    if use_cache and dist.get_rank() == 0:
+        cached = read_cache(cache_file(key), key)
+        found[0] = cached.to_dict() if cached is not None else None
+    dist.broadcast_object_list(found, src=0)
+    if found[0] is not None:
+        terms = StepTerms.from_dict(found[0], source=f"cache {cache_file(key)}")
+        return replace(terms, loop_step_s=loop_step_s, calibrate_s=0.0)
+    terms = measure_step_terms(device, optimizer, meshes, split=split, loop_step_s=loop_step_s)
+    if use_cache and dist.get_rank() == 0:
+        write_cache(cache_file(key), key, terms)
+    return terms

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from osdp_lightning.budget import format_bytes
+from osdp_lightning.report import log_measured
 
 WARMUP_STEPS = 2
 
@@ -94,6 +95,7 @@ class TrainingSummary(Callback):
             "predicted_step_s": getattr(plan, "predicted_step_s", None),
             "final_loss": float(loss.item()), "world_size": world, "micro_batch_size": self._samples_per_step,
         }
+        log_measured(trainer, self.summary)  # predicted against measured, to every logger
 
     def format(self) -> str:
         s = self.summary
@@ -109,7 +111,11 @@ class TrainingSummary(Callback):
             ratio = s["peak_bytes"] / s["memory_budget_bytes"]
             lines[2] += f" of budget {format_bytes(s['memory_budget_bytes'])} ({100 * ratio:.1f}%)"
         if s["predicted_peak_bytes"]:
-            lines[2] += f"; predicted {format_bytes(s['predicted_peak_bytes'])}"
+            error = s["predicted_peak_bytes"] / s["peak_bytes"] - 1 if s["peak_bytes"] else float("nan")
+            lines[2] += f"; predicted {format_bytes(s['predicted_peak_bytes'])} (error {100 * error:+.1f}%)"
+        if s["predicted_step_s"]:
+            error = s["predicted_step_s"] / s["step_s"] - 1 if s["step_s"] == s["step_s"] and s["step_s"] else float("nan")
+            lines[0] += f"; predicted {s['predicted_step_s']:.4f} s (error {100 * error:+.1f}%)"
         return "\n".join(lines)
 
 
@@ -136,6 +142,11 @@ def _start_tracking(trainer: pl.Trainer) -> contextlib.AbstractContextManager | 
 
     model = trainer.strategy.model
     optimizer = trainer.optimizers[0] if trainer.optimizers else None
+    # NOTE: ModelParallelStrategy leaves the LightningModule unwrapped; configure_model shards a
+    # submodule holding all its parameters (FSDP2 as Lightning documents it): track that one.
+    inner = next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
+    if inner is not None and sum(1 for _ in inner.parameters()) == sum(1 for _ in model.parameters()):
+        model = inner
     if isinstance(model, FSDPModule) and not _has_grouped_modules(model):
         tracker = FSDPMemTracker(model, optimizer)
     else:

@@ -1,4 +1,4 @@
-"""Where a :class:`~osdp_lightning.cost.ClusterSpec` comes from.
+"""The cluster the plan is for: :class:`ClusterSpec`, and where one comes from.
 
 Two sources, one result:
 
@@ -27,9 +27,103 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from osdp_lightning.budget import parse_bytes
+from osdp_lightning.budget import parse_bytes, parse_memory_budget
 from osdp_lightning.calibrate import CollectiveTimings
-from osdp_lightning.cost import ClusterSpec
+from osdp_lightning.step_terms import StepTerms, step_terms_from_config
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What the cost model needs to know about the ranks that train together."""
+
+    world_size: int
+    """Ranks in the data-parallel group."""
+    memory_budget_bytes: int
+    """Per-rank memory limit the plan must respect."""
+    collective_latency_s: float
+    """Fixed cost of one collective call (alpha)."""
+    bandwidth_bytes_per_s: float
+    """Bus bandwidth of a collective inside the group (bytes moved per second per rank)."""
+    overlap_efficiency: float = 0.0
+    """Share of neighbouring compute that really hides a collective (about 0 on CPU/gloo)."""
+    headroom_bytes: int = 0
+    """Bytes of the budget plans must leave free (allocator slack, temporaries the model does not
+    see); with :attr:`headroom_fraction` too, the larger of the two (:meth:`headroom_for`)."""
+    headroom_fraction: float = 0.0
+    """Share of the budget plans must leave free (``0.05``: 5%); plans are solved against
+    :attr:`usable_bytes`."""
+    ranks_per_node: int | None = None
+    """Ranks that share a node; ``None`` means all of them (one node)."""
+    inter_node_bandwidth_bytes_per_s: float | None = None
+    """Bus bandwidth per rank of a collective whose group spans nodes; ``None``: as inside a node."""
+    inter_node_latency_s: float | None = None
+    """Alpha of a collective whose group spans nodes; ``None``: as inside a node."""
+    peak_flops_per_s: float | None = None
+    """Per-device peak FLOP/s (dry-run planning turns counted FLOPs into seconds with it)."""
+    step_terms: StepTerms | None = None
+    """What each collective, FSDP2's per-unit work, the optimizer step and the loop cost
+    (:mod:`osdp_lightning.step_terms`): measured at setup, or from the cluster config's
+    ``step_model``. ``None``: collectives from latency and bandwidth alone, nothing else priced."""
+
+    @property
+    def local_world_size(self) -> int:
+        return self.ranks_per_node or self.world_size
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // self.local_world_size)
+
+    def crosses_nodes(self, group: int) -> bool:
+        """Whether a group of ``group`` consecutive ranks spans more than one node."""
+        return self.num_nodes > 1 and group > self.local_world_size
+
+    def link(self, crosses_nodes: bool) -> tuple[float, float]:
+        """``(latency_s, bandwidth_bytes_per_s)`` of a collective inside one node or across nodes."""
+        if not crosses_nodes:
+            return self.collective_latency_s, self.bandwidth_bytes_per_s
+        latency = self.inter_node_latency_s if self.inter_node_latency_s is not None else self.collective_latency_s
+        bandwidth = self.inter_node_bandwidth_bytes_per_s or self.bandwidth_bytes_per_s
+        return latency, bandwidth
+
+    def headroom_for(self, budget_bytes: int) -> int:
+        """Bytes a plan keeps free of ``budget_bytes``: the larger of the bytes and the share."""
+        return max(self.headroom_bytes, int(budget_bytes * self.headroom_fraction))
+
+    @property
+    def usable_bytes(self) -> int:
+        """What a plan may fill: the budget less its headroom (not positive: nothing fits)."""
+        return self.memory_budget_bytes - self.headroom_for(self.memory_budget_bytes)
+
+    def smallest_budget_for(self, usable_bytes: int) -> int:
+        """The least budget whose usable bytes (budget less headroom) reach ``usable_bytes``.
+
+        Exact for any headroom rule that grows by at most one byte per byte of budget (bytes, a
+        share below 1, the larger of both): usable bytes never fall as the budget grows, so the
+        least budget is found by bisection on whole bytes.
+        """
+        def usable(budget: int) -> int:
+            return budget - self.headroom_for(budget)
+
+        low, high = usable_bytes, max(usable_bytes, 1)  # usable(low) <= low: too small or just right
+        while usable(high) < usable_bytes:
+            low, high = high, 2 * high
+        while low < high:  # invariant: usable(high) >= usable_bytes
+            middle = (low + high) // 2
+            low, high = (low, middle) if usable(middle) >= usable_bytes else (middle + 1, high)
+        return high
+
+    def __post_init__(self) -> None:
+        if self.headroom_bytes < 0 or not 0.0 <= self.headroom_fraction < 1.0:
+            raise ValueError(f"headroom must be >= 0 bytes and a share in [0, 1); got {self.headroom_bytes} bytes "
+                             f"and {self.headroom_fraction}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.bandwidth_bytes_per_s <= 0:
+            raise ValueError(f"bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s}")
+        if not 0.0 <= self.overlap_efficiency <= 1.0:
+            raise ValueError(f"overlap_efficiency must be in [0, 1], got {self.overlap_efficiency}")
+
+
 
 _REQUIRED_KEYS = ("devices_per_node", "nodes", "intra_node_bandwidth_bytes_per_s", "intra_node_latency_s")
 
@@ -55,7 +149,7 @@ def cluster_spec_from_config(config: Mapping[str, Any], memory_budget: int | str
     headroom = config.get("headroom")
     return ClusterSpec(
         world_size=devices * nodes,
-        memory_budget_bytes=parse_bytes(budget),
+        memory_budget_bytes=config_budget_bytes(budget, config),
         collective_latency_s=float(config["intra_node_latency_s"]),
         bandwidth_bytes_per_s=float(config["intra_node_bandwidth_bytes_per_s"]),
         overlap_efficiency=float(config.get("overlap_efficiency") or 0.0),
@@ -64,12 +158,30 @@ def cluster_spec_from_config(config: Mapping[str, Any], memory_budget: int | str
         inter_node_bandwidth_bytes_per_s=_optional_float(config.get("inter_node_bandwidth_bytes_per_s")),
         inter_node_latency_s=_optional_float(config.get("inter_node_latency_s")),
         peak_flops_per_s=_optional_float(config.get("peak_flops_per_s")),
+        step_terms=step_terms_from_config(config),
     )
+
+
+def config_budget_bytes(budget: int | str, config: Mapping[str, Any]) -> int:
+    """Bytes of a budget in a cluster config: ``"70%"`` is a share of ``memory_per_device``.
+
+    A share of a baseline's peak (``"95%ddp"``) is known only after profiling: until the caller
+    resolves it (``osdp-plan`` does, with :func:`osdp_lightning.plan.baseline_peak_bytes`), the
+    device's whole memory stands in.
+    """
+    parsed = parse_memory_budget(budget)
+    if parsed.bytes is not None:
+        return parsed.bytes
+    device = config.get("memory_per_device")
+    if device is None:
+        raise ValueError(f"memory budget {parsed.text!r} is a share, but cluster config {config.get('name', '?')!r} "
+                         "has no memory_per_device to take it of")
+    return parsed.of_device(parse_bytes(device))
 
 
 def cluster_config_dir() -> Path:
     """The ``conf/cluster`` directory (the installed ``conf`` package, else the source tree's)."""
-    spec = importlib.util.find_spec("conf")
+    spec = importlib.util.find_spec("osdp_lightning.conf")
     if spec is not None and spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations))) / "cluster"
     return Path(__file__).resolve().parents[1] / "conf" / "cluster"
@@ -190,7 +302,8 @@ def measure_node_collectives(device: torch.device, ranks_per_node: int, payload_
 
 def live_cluster_spec(*, world_size: int, ranks_per_node: int, memory_budget_bytes: int,
                       timings: CollectiveTimings | None, node_timings: NodeTimings | None = None,
-                      overlap_efficiency: float | None = None, headroom_bytes: int = 0) -> ClusterSpec:
+                      overlap_efficiency: float | None = None, headroom_bytes: int = 0,
+                      headroom_fraction: float = 0.0) -> ClusterSpec:
     """The ClusterSpec of the running job.
 
     ``timings`` come from :func:`osdp_lightning.calibrate.measure_collectives` on the whole world;
@@ -207,5 +320,6 @@ def live_cluster_spec(*, world_size: int, ranks_per_node: int, memory_budget_byt
         inter_latency, inter_bandwidth = node_timings.inter_latency_s, node_timings.inter_bandwidth_bytes_per_s
     return ClusterSpec(world_size=world_size, memory_budget_bytes=memory_budget_bytes,
                        collective_latency_s=latency, bandwidth_bytes_per_s=bandwidth,
-                       overlap_efficiency=overlap, headroom_bytes=headroom_bytes, ranks_per_node=ranks_per_node,
+                       overlap_efficiency=overlap, headroom_bytes=headroom_bytes,
+                       headroom_fraction=headroom_fraction, ranks_per_node=ranks_per_node,
                        inter_node_bandwidth_bytes_per_s=inter_bandwidth, inter_node_latency_s=inter_latency)

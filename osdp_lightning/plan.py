@@ -9,22 +9,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
 
 from osdp_lightning.budget import format_bytes
-from osdp_lightning.cost import (
-    BASE_CHOICES,
-    ChoiceTable,
-    ClusterSpec,
-    build_choice_table,
-    is_known_choice,
+from osdp_lightning.choices import BASE_CHOICES, REPLICATE, Choice, is_known, known_names, parse, resolve
+from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.cost import ChoiceTable, build_choice_table
+from osdp_lightning.profile import ModelProfile, with_parts
+from osdp_lightning.solve import (
+    _choice_step_s,
+    peak_bytes,
+    peak_lower_bound,
+    smallest_feasible_budget,
+    solve_choice_table,
+    step_lower_bound,
+    step_seconds,
 )
-from osdp_lightning.profile import ModelProfile
-from osdp_lightning.solve import peak_bytes, smallest_feasible_budget, solve_choice_table, step_seconds
 from osdp_lightning.units import ROOT, UnitSpec, unit_param_counts
 
 PLAN_FORMAT_VERSION = 1
@@ -47,6 +50,28 @@ class UnitPlan:
     predicted_bytes: int
     """This unit's persistent + held + transient bytes per rank."""
     predicted_comm_s: float
+    # Per-unit breakdown of the chosen cost (the plan picture draws these; 0 in plans saved before).
+    state_bytes: int = 0
+    held_bytes: int = 0
+    transient_bytes: int = 0
+    activation_bytes: int = 0
+    """Activations this unit's choice keeps (the choice-independent rest is ``Plan.activation_bytes``)."""
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    """Communication seconds the step pays for this unit: what neighbouring compute does not hide."""
+    optimizer_s: float = 0.0
+    overhead_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class BaselinePrediction:
+    """A uniform plan (every unit ``choice``) priced on the same choice table as the plan."""
+
+    choice: str
+    peak_bytes: int
+    step_s: float
+    fits: bool
+    """Within the budget less the headroom plans keep free."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +96,24 @@ class Plan:
     bandwidth_bytes_per_s: float = 0.0
     overlap_efficiency: float = 0.0
     """The cluster figures the predictions used (measured at setup, or from a cluster config)."""
+    fixed_bytes: int = 0
+    """Bytes every plan pays besides units and activations (the input batch)."""
+    baselines: tuple[BaselinePrediction, ...] = ()
+    """The replicate (ddp) / zero2 / zero3 uniform plans at the same micro-batch and budget."""
+    predicted_compute_s: float = 0.0
+    """Parts of ``predicted_step_s``: the units' profiled forward and backward,"""
+    predicted_optimizer_s: float = 0.0
+    """the optimizer step over the parameters as the plan stores them,"""
+    predicted_overhead_s: float = 0.0
+    """the machinery that applies the choices (FSDP2's per-unit work, a reducer's),"""
+    predicted_exposed_comm_s: float = 0.0
+    """the communication no compute hides,"""
+    predicted_loop_s: float = 0.0
+    """and the training loop's own constant."""
+    step_terms_source: str = ""
+    """Where the step terms besides compute came from (measured at setup, a cache, a cluster config)."""
+    accumulation_steps: int = 1
+    """Micro-batches per optimizer step the plan was solved for; the predictions are per micro-step."""
 
     def choice_of(self, unit_name: str) -> str:
         return next(u.choice for u in self.units if u.name == unit_name)
@@ -89,16 +132,16 @@ class Plan:
             data.pop("format_version", None)
             data["units"] = tuple(
                 UnitPlan(**{**u, "module_names": tuple(u["module_names"])}) for u in data["units"])
+            data["baselines"] = tuple(BaselinePrediction(**b) for b in data.get("baselines", ()))
             plan = cls(**data)
         except FileNotFoundError:
             raise
         except (ValueError, TypeError, KeyError) as err:
             raise ValueError(f"{path} is not a valid osdp plan JSON ({type(err).__name__}: {err}); "
                              "write plans with Plan.save() or delete the file to re-plan") from err
-        unknown = sorted({u.choice for u in plan.units if not is_known_choice(u.choice)})
+        unknown = sorted({u.choice for u in plan.units if not is_known(u.choice)})
         if unknown:
-            raise ValueError(f"{path} names unknown choices {unknown}; known choices are {list(BASE_CHOICES)} "
-                             "and 'split(k=K, sharded=J)'")
+            raise ValueError(f"{path} names unknown choices {unknown}; known choices are {known_names()}")
         return dataclasses.replace(plan, source=f"loaded:{path}")
 
     def check_matches(self, model: nn.Module, world_size: int) -> None:
@@ -127,10 +170,10 @@ class Plan:
     # -- printing ----------------------------------------------------------------------------
     def format_table(self) -> str:
         width = max([len(u.name or "<root>") for u in self.units] + [4])
-        lines = [f"{'unit':<{width}}  {'params':>12}  {'choice':<22}  {'bytes/rank':>12}  {'comm s':>9}"]
+        lines = [f"{'unit':<{width}}  {'params':>12}  {'choice':<27}  {'bytes/rank':>12}  {'comm s':>9}"]
         lines.append("-" * len(lines[0]))
         for u in self.units:
-            lines.append(f"{u.name or '<root>':<{width}}  {u.param_count:>12,}  {u.choice:<22}  "
+            lines.append(f"{u.name or '<root>':<{width}}  {u.param_count:>12,}  {u.choice:<27}  "
                          f"{format_bytes(u.predicted_bytes):>12}  {u.predicted_comm_s:>9.4f}")
         counts = {c: sum(1 for u in self.units if u.choice == c) for c in sorted({u.choice for u in self.units})}
         lines += [
@@ -141,6 +184,9 @@ class Plan:
             f"({100 * self.predicted_peak_bytes / self.memory_budget_bytes:.1f}%)",
             f"predicted step: {self.predicted_step_s:.4f} s at micro-batch {self.micro_batch_size} x "
             f"{self.world_size} ranks = {self.predicted_throughput:.1f} samples/s",
+            f"  = compute {self.predicted_compute_s:.4f} + optimizer {self.predicted_optimizer_s:.4f} + FSDP "
+            f"overhead {self.predicted_overhead_s:.4f} + exposed communication {self.predicted_exposed_comm_s:.4f} "
+            f"+ loop {self.predicted_loop_s:.4f} s (terms: {self.step_terms_source or 'none'})",
             f"collectives: latency {1e6 * self.collective_latency_s:.0f} us, bandwidth "
             f"{self.bandwidth_bytes_per_s / 1e9:.2f} GB/s, overlap efficiency {self.overlap_efficiency:.2f}",
             f"solver: {self.solver_status}" + (f" (gap {self.gap:.2%})" if self.gap else "")
@@ -151,49 +197,142 @@ class Plan:
     def __str__(self) -> str:
         return self.format_table()
 
+    def plot(self, path: str | Path, title: str | None = None) -> Path:
+        """Write a picture of the plan (PNG; needs matplotlib: ``pip install osdp_lightning[plot]``)."""
+        from osdp_lightning.plot import plot_plan
 
-def make_plan(profile: ModelProfile, cluster: ClusterSpec, *, uniform_choice: str | None = None,
+        return plot_plan(self, path, title)
+
+
+def make_plan(profile: ModelProfile, cluster: ClusterSpec, *, uniform_choice: Choice | str | None = None,
               micro_batch_sizes: tuple[int, ...] | None = None,
-              choices: tuple[str, ...] = BASE_CHOICES, time_limit_s: float | None = None) -> Plan:
+              choices: tuple[Choice | str, ...] = BASE_CHOICES, time_limit_s: float | None = None,
+              accumulation_steps: int = 1) -> Plan:
     """Solve for every candidate micro-batch size and keep the highest throughput.
 
-    With ``uniform_choice`` every unit gets that choice (the ddp/zero2/zero3 baselines) and the
-    plan only carries the predictions. Raises :class:`InfeasibleBudgetError` when nothing fits.
+    ``accumulation_steps``: micro-batches per optimizer step (``Trainer(accumulate_grad_batches)``);
+    the predictions stay per micro-step (see :class:`~osdp_lightning.cost.CostContext`).
+
+    ``choices``: what the solver may pick (:func:`osdp_lightning.choices.choice_space`). With
+    ``uniform_choice`` (a choice or an alias such as ``"ddp"``) every unit gets that choice, or
+    replicate where it cannot take it (the baselines), and the plan only carries the predictions.
+    Raises :class:`InfeasibleBudgetError` when nothing fits.
     """
-    candidates = micro_batch_sizes or (profile.micro_batch_size,)
-    best: Plan | None = None
-    for batch in sorted(set(candidates)):
-        table = build_choice_table(profile, cluster, batch, choices=choices)
-        if uniform_choice is not None:
-            plan = _uniform_plan(table, profile, cluster, uniform_choice)
-        else:
-            plan = _solved_plan(table, profile, cluster, time_limit_s)
-        if plan is not None and (best is None or plan.predicted_throughput > best.predicted_throughput):
-            best = plan
+    candidates = tuple(sorted(set(micro_batch_sizes or (profile.micro_batch_size,))))
+    if uniform_choice is not None:
+        uniform = resolve(str(uniform_choice))
+        uniform_choice, choices = str(uniform), (uniform, uniform.base, REPLICATE)  # _uniform_plan's fallbacks
+    # Coarsest unit set first, then smaller micro-batches: a later table must be strictly faster to win.
+    tables = [(units, build_choice_table(units, cluster, batch, choices=choices, accumulation_steps=accumulation_steps))
+              for units in (with_parts(profile, d) for d in ([()] if uniform_choice else unit_sets(profile)))
+              for batch in candidates]
+    if uniform_choice is not None:
+        best = max((_uniform_plan(table, units, cluster, uniform_choice) for units, table in tables),
+                   key=lambda plan: plan.predicted_throughput)  # the first of equals
+    else:
+        best = _best_solved_plan(tables, cluster, time_limit_s)
     if best is None:
-        table = build_choice_table(profile, cluster, min(candidates), choices=choices)
-        fraction = cluster.headroom_bytes / cluster.memory_budget_bytes
-        smallest = math.ceil(smallest_feasible_budget(table, time_limit_s=time_limit_s) / (1 - fraction))
-        raise InfeasibleBudgetError(
-            f"no plan fits the memory budget of {format_bytes(cluster.memory_budget_bytes)} per rank "
-            f"(micro-batch {min(candidates)}, {cluster.world_size} ranks); the smallest budget that fits "
-            f"is {format_bytes(smallest)} ({smallest} bytes, with {fraction:.0%} headroom): raise "
-            f"memory_budget, lower the micro-batch size, or add ranks")
+        raise _infeasible(tables, cluster, time_limit_s)
+    return dataclasses.replace(best, accumulation_steps=accumulation_steps)
+
+
+def _best_solved_plan(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: ClusterSpec,
+                      time_limit_s: float | None) -> Plan | None:
+    """The highest-throughput plan of all ``tables`` (the first of equals), solving as few as it can.
+
+    No plan of a table beats every unit at its fastest choice, and none fits when even the least
+    bytes of every unit exceed the usable budget: tables are solved most promising first, and one
+    whose bound cannot beat the plan in hand is skipped (the answer is the same as solving all).
+    """
+    bounds = [_throughput(table, cluster, step_lower_bound(table))
+              if peak_lower_bound(table) <= cluster.usable_bytes else -1.0 for _, table in tables]
+    best, best_key = None, (0.0, 0)
+    for index in sorted(range(len(tables)), key=lambda i: (-bounds[i], i)):
+        if bounds[index] < 0 or (best is not None and (bounds[index], -index) <= best_key):
+            continue
+        units, table = tables[index]
+        plan = _solved_plan(table, units, cluster, time_limit_s)
+        if plan is not None and (best is None or (plan.predicted_throughput, -index) > best_key):
+            best, best_key = plan, (plan.predicted_throughput, -index)
     return best
 
 
+def _throughput(table: ChoiceTable, cluster: ClusterSpec, step_s: float) -> float:
+    """Samples per second over all ranks."""
+    return table.micro_batch_size * cluster.world_size / step_s if step_s > 0 else 0.0
+
+
+def _infeasible(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: ClusterSpec,
+                time_limit_s: float | None) -> InfeasibleBudgetError:
+    """The error naming the least budget for which a plan would be found, under the same headroom rule.
+
+    That is the least usable bytes any table fits (its least exact peak), turned into a budget by
+    :meth:`~osdp_lightning.cluster.ClusterSpec.smallest_budget_for`: at it a plan is found, one
+    byte less and none is (exact unless ``time_limit_s`` stopped a solve: then a budget that fits).
+    """
+    need = None
+    for _, table in sorted(tables, key=lambda pair: peak_lower_bound(pair[1])):
+        if need is not None and peak_lower_bound(table) >= need:
+            break  # no table from here on can need less
+        least = smallest_feasible_budget(table, time_limit_s=time_limit_s)
+        need = least if need is None else min(need, least)
+    smallest = cluster.smallest_budget_for(need)
+    budget, batch = cluster.memory_budget_bytes, min(t.micro_batch_size for _, t in tables)
+    headroom = cluster.headroom_for(budget)
+    rule = _headroom_rule(cluster)
+    fix = (f"the smallest budget that fits is {format_bytes(smallest)} ({smallest} bytes, of which "
+           f"{format_bytes(cluster.headroom_for(smallest))} headroom)")
+    if cluster.usable_bytes <= 0:
+        return InfeasibleBudgetError(
+            f"the memory budget of {format_bytes(budget)} per rank is not more than the headroom plans keep free, "
+            f"{format_bytes(headroom)}{rule}: nothing fits. At micro-batch "
+            f"{batch} on {cluster.world_size} ranks {fix}. Raise memory_budget, or lower the headroom "
+            "(cluster.headroom in the cluster config, or the strategy's headroom=)")
+    return InfeasibleBudgetError(
+        f"no plan fits the memory budget of {format_bytes(budget)} per rank, less {format_bytes(headroom)} "
+        f"headroom{rule}: {format_bytes(cluster.usable_bytes)} usable (micro-batch {batch}, {cluster.world_size} "
+        f"ranks); {fix}: raise memory_budget, lower the headroom (cluster.headroom / the strategy's headroom=) "
+        "or the micro-batch size, or add ranks")
+
+
+def _headroom_rule(cluster: ClusterSpec) -> str:
+    """How the headroom is set, when not plain bytes (``" (the larger of 2.00 GiB and 5% of the budget)"``).
+
+    NOTE: no "(<n> bytes" here: scripts read the smallest budget as the first one in the message.
+    """
+    if not cluster.headroom_fraction:
+        return ""
+    share = f"{100 * cluster.headroom_fraction:.4g}% of the budget"
+    if not cluster.headroom_bytes:
+        return f" ({share})"
+    return f" (the larger of {format_bytes(cluster.headroom_bytes)} and {share})"
+
+
+def unit_sets(profile: ModelProfile) -> list[tuple[str, ...]]:
+    """The unit sets :func:`make_plan` solves, as the blocks to descend into (coarsest first):
+    none, the first ``k`` in execution order for ``k`` = 1, 2, 4, ..., and all of them.
+
+    Blocks of one stack cost alike, so which ``k`` are descended matters little; how many does
+    (fewer units: less per-unit work and latency; finer units: smaller transients, per-part
+    choices, splits). See docs/design.md, "Unit granularity".
+    """
+    blocks = [u.name for u in profile.units if u.parts]
+    counts = sorted({0, len(blocks), *(2**i for i in range(len(blocks).bit_length()) if 2**i < len(blocks))})
+    return [tuple(blocks[:k]) for k in counts]
+
+
 def _uniform_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpec, choice: str) -> Plan:
-    allowed = {c.choice for c in table.units[0].choices}
-    effective = choice if choice in allowed else "replicate"  # one rank: every choice is replicate
-    assignment = tuple(effective for _ in table.units)
+    # NOTE: one rank, or a unit the choice does not fit: the choice without its modifiers (the root
+    # is never checkpointed), else replicate (a split on a non-Linear).
+    fallbacks = (choice, str(parse(choice).base), str(REPLICATE))
+    assignment = tuple(next(c for c in fallbacks if c in {o.choice for o in unit.choices}) for unit in table.units)
     return _assemble(table, profile, cluster, assignment, status="Fixed", solve_s=0.0, gap=None,
                      source=f"uniform:{choice}")
 
 
 def _solved_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpec,
                  time_limit_s: float | None) -> Plan | None:
-    usable = cluster.memory_budget_bytes - cluster.headroom_bytes
-    solution = solve_choice_table(table, usable, time_limit_s=time_limit_s)
+    solution = solve_choice_table(table, cluster.usable_bytes, time_limit_s=time_limit_s)
     if not solution.feasible:
         return None
     return _assemble(table, profile, cluster, solution.choices, status=solution.status,
@@ -205,21 +344,51 @@ def _assemble(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpec, a
     units = []
     for unit_costs, unit_profile, choice in zip(table.units, profile.units, assignment, strict=True):
         cost = unit_costs.cost_of(choice)
+        # NOTE: the communication the step pays is what the solver charges, less the other terms.
+        paid_comm_s = _choice_step_s(unit_costs, cost) - cost.compute_s - cost.optimizer_s - cost.overhead_s
         units.append(UnitPlan(
             name=unit_profile.name, module_names=unit_profile.module_names,
             param_count=unit_profile.param_count + unit_profile.frozen_param_count, choice=choice,
             predicted_bytes=cost.state_bytes + cost.held_bytes + cost.transient_bytes,
-            predicted_comm_s=cost.comm_s))
+            predicted_comm_s=cost.comm_s, state_bytes=cost.state_bytes, held_bytes=cost.held_bytes,
+            transient_bytes=cost.transient_bytes, activation_bytes=cost.activation_bytes,
+            compute_s=cost.compute_s, comm_s=paid_comm_s, optimizer_s=cost.optimizer_s,
+            overhead_s=cost.overhead_s))
     step_s = step_seconds(table, assignment)
     return Plan(
         units=tuple(units), world_size=cluster.world_size, micro_batch_size=table.micro_batch_size,
         memory_budget_bytes=cluster.memory_budget_bytes, predicted_peak_bytes=peak_bytes(table, assignment),
         predicted_step_s=step_s,
-        predicted_throughput=table.micro_batch_size * cluster.world_size / step_s if step_s > 0 else 0.0,
+        predicted_throughput=_throughput(table, cluster, step_s),
         activation_bytes=table.activation_bytes, solver_status=status, solve_s=solve_s,
         profile_s=profile.profile_s, gap=gap, source=source,
         collective_latency_s=cluster.collective_latency_s, bandwidth_bytes_per_s=cluster.bandwidth_bytes_per_s,
-        overlap_efficiency=cluster.overlap_efficiency)
+        overlap_efficiency=cluster.overlap_efficiency, fixed_bytes=table.fixed_bytes,
+        baselines=uniform_baselines(table, cluster),
+        predicted_compute_s=sum(u.compute_s for u in units), predicted_optimizer_s=sum(u.optimizer_s for u in units),
+        predicted_overhead_s=sum(u.overhead_s for u in units), predicted_exposed_comm_s=sum(u.comm_s for u in units),
+        predicted_loop_s=table.fixed_step_s,
+        step_terms_source=cluster.step_terms.source if cluster.step_terms is not None else "")
+
+
+def uniform_baselines(table: ChoiceTable, cluster: ClusterSpec) -> tuple[BaselinePrediction, ...]:
+    """replicate (ddp) / zero2 / zero3 for every unit, priced on ``table``; those a unit cannot take are left out."""
+    usable = cluster.usable_bytes
+    baselines = []
+    for choice in map(str, BASE_CHOICES):
+        if not all(any(c.choice == choice for c in unit.choices) for unit in table.units):
+            continue  # e.g. one rank: only replicate
+        assignment = tuple(choice for _ in table.units)
+        peak = peak_bytes(table, assignment)
+        baselines.append(BaselinePrediction(choice, peak, step_seconds(table, assignment), peak <= usable))
+    return tuple(baselines)
+
+
+def baseline_peak_bytes(profile: ModelProfile, cluster: ClusterSpec, choice: Choice | str) -> int:
+    """Predicted peak per rank of the uniform ``choice`` plan at the profiled micro-batch size
+    (what a budget such as ``"95%ddp"`` is a share of)."""
+    return _uniform_plan(build_choice_table(profile, cluster, profile.micro_batch_size, choices=(choice, REPLICATE)),
+                         profile, cluster, str(resolve(str(choice)))).predicted_peak_bytes
 
 
 def _has_module(model: nn.Module, name: str) -> bool:

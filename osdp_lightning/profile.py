@@ -14,12 +14,13 @@ import inspect
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from osdp_lightning.recorder import StepRecorder
 from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS, ROOT, UnitSpec, owned_params, select_units
 
 
@@ -41,6 +42,15 @@ class UnitProfile:
     """``(out_features, in_features)`` when the unit is one ``nn.Linear`` (a split candidate)."""
     split_overhead_s: tuple[tuple[int, float], ...] = ()
     """Measured extra forward+backward seconds of splitting into ``k`` slices, as ``(k, s)``."""
+    parts: tuple[UnitProfile, ...] = ()
+    """Finer units inside this one (a block's large leaf modules), in execution order, measured in
+    the same run; this unit's figures include theirs. :func:`with_parts` plans with them instead."""
+    input_bytes: int = 0
+    """Bytes of the tensors its forward receives (what it keeps from forward to backward when
+    checkpointed); 0: not recorded."""
+    tensor_count: int = 0
+    """Trainable parameter tensors owned (the optimizer step costs a constant per tensor); 0: not known,
+    priced as 2 (a Linear's weight and bias)."""
 
 
 @dataclass(frozen=True)
@@ -73,90 +83,30 @@ class ModelProfile:
 # ---------------------------------------------------------------------------------------------
 # Measuring
 # ---------------------------------------------------------------------------------------------
-class _StepRecorder:
-    """Hooks that time each unit and attribute saved-for-backward bytes to the running unit."""
-
-    def __init__(self, root: nn.Module, specs: list[UnitSpec], device: torch.device) -> None:
-        self.root, self.specs, self.device = root, specs, device
-        self.owned = owned_params(root, specs)
-        self.forward_s: dict[str, float] = {}
-        self.grad_done_t: dict[str, float] = {}
-        self.saved_bytes: dict[str, int] = {s.name: 0 for s in specs} | {ROOT: 0}
-        self.order: list[str] = []
-        self._stack: list[tuple[str, float]] = []
-        self._seen_storages: set[int] = set()
-        self._param_storages = {p.untyped_storage().data_ptr() for p in root.parameters()}
-        self._handles: list = []
-
-    def install(self) -> None:
-        for spec in self.specs:
-            for mod_name in spec.module_names:
-                mod = self.root.get_submodule(mod_name)
-                self._handles.append(mod.register_forward_pre_hook(self._pre(spec.name)))
-                self._handles.append(mod.register_forward_hook(self._post(spec.name)))
-            for p in self.owned[spec.name]:
-                if p.requires_grad:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._grad_done(spec.name)))
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _pre(self, name: str) -> Callable:
-        def hook(_mod, _args) -> None:
-            if name not in self.order:
-                self.order.append(name)
-            self._stack.append((name, self._now()))
-        return hook
-
-    def _post(self, name: str) -> Callable:
-        def hook(_mod, _args, _out) -> None:
-            unit, start = self._stack.pop()
-            self.forward_s[unit] = self.forward_s.get(unit, 0.0) + self._now() - start
-        return hook
-
-    def _grad_done(self, name: str) -> Callable:
-        def hook(_p) -> None:
-            self.grad_done_t[name] = self._now()
-        return hook
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key not in self._param_storages and key not in self._seen_storages:
-            self._seen_storages.add(key)
-            unit = self._stack[-1][0] if self._stack else ROOT
-            self.saved_bytes[unit] += storage.nbytes()
-        return tensor
-
-
 @dataclass(frozen=True)
 class _StepSample:
     forward_s: dict[str, float]
     backward_s: dict[str, float]
     saved_bytes: dict[str, int]
+    input_bytes: dict[str, int]
     order: list[str]
     step_s: float
 
 
 def _measure_step(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[], torch.Tensor],
                   device: torch.device) -> _StepSample:
-    rec = _StepRecorder(root, specs, device)
-    rec.install()
-    try:
-        start = rec._now()
-        with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
-            loss = run_loss()
-        forward_end = rec._now()
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    rec = StepRecorder(root, specs, clock=now)
+    with rec.installed():
+        start = now()
+        loss = run_loss()
+        forward_end = now()
         loss.backward()
-        end = rec._now()
-    finally:
-        rec.remove()
+        end = now()
     # Backward of a unit ends when its last gradient is accumulated; the time since the previous
     # unit's gradients finished is its backward (ops between units are charged to the later one).
     backward_s: dict[str, float] = {}
@@ -167,7 +117,7 @@ def _measure_step(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
     backward_s[ROOT] = max(end - previous, 0.0)
     forward_s = dict(rec.forward_s)
     forward_s[ROOT] = max(forward_end - start - sum(rec.forward_s.values()), 0.0)
-    return _StepSample(forward_s, backward_s, dict(rec.saved_bytes), rec.order, end - start)
+    return _StepSample(forward_s, backward_s, dict(rec.saved_bytes), dict(rec.input_bytes), rec.order, end - start)
 
 
 def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[], torch.Tensor],
@@ -178,25 +128,68 @@ def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
     backward, or the measured peak of activations and temporaries if larger) and the median step
     seconds. Gradients, buffers and RNG state are restored afterwards.
     """
+    nested = [*specs, *(part for s in specs for part in s.parts)]  # a block and its parts: one run
     with preserved_state(root):
-        warmup = _measure_step(root, specs, run_loss, device)  # also: allocator, lazy init, caches
+        warmup = _measure_step(root, nested, run_loss, device)  # also: allocator, lazy init, caches
         root.zero_grad(set_to_none=True)
         # NOTE: a module whose forward is never called (nn.MultiheadAttention reads out_proj.weight
         # directly) cannot be its own FSDP unit: its hooks would never gather the weight.
-        specs = [s for s in specs if s.name in warmup.order]
+        nested = [s for s in nested if s.name in warmup.order]
         samples = []
         for _ in range(repeats):
-            samples.append(_measure_step(root, specs, run_loss, device))
+            samples.append(_measure_step(root, nested, run_loss, device))
             root.zero_grad(set_to_none=True)
         peak_bytes = measure_activation_peak(root, run_loss, device)
         root.zero_grad(set_to_none=True)
     first = samples[0]
-    by_name = {s.name: s for s in specs}
-    owned = owned_params(root, specs)
-    units = [_unit_profile(n, by_name[n].module_names, owned[n], root, samples) for n in first.order if n in by_name]
+    by_name = {s.name: s for s in nested}
+    owned = owned_params(root, nested)
+    own = {n: _unit_profile(n, by_name[n].module_names, owned[n], root, samples) for n in first.order if n in by_name}
+    units = [_with_measured_parts(own[s.name], [own[p.name] for p in s.parts if p.name in own], first.order)
+             for s in sorted((s for s in specs if s.name in own), key=lambda s: first.order.index(s.name))]
     units.append(_unit_profile(ROOT, (ROOT,), owned[ROOT], root, samples))
     activation_bytes = max(sum(first.saved_bytes.values()), peak_bytes)
     return units, activation_bytes, statistics.median(s.step_s for s in samples)
+
+
+def _with_measured_parts(block: UnitProfile, parts: list[UnitProfile], order: list[str]) -> UnitProfile:
+    """A block's own figures (what its parts do not hold) plus its parts': the whole block."""
+    parts.sort(key=lambda p: order.index(p.name))
+    return dataclasses.replace(
+        block, param_count=block.param_count + sum(p.param_count for p in parts),
+        frozen_param_count=block.frozen_param_count + sum(p.frozen_param_count for p in parts),
+        forward_s=block.forward_s + sum(p.forward_s for p in parts),
+        backward_s=block.backward_s + sum(p.backward_s for p in parts),
+        activation_bytes=block.activation_bytes + sum(p.activation_bytes for p in parts),
+        tensor_count=block.tensor_count + sum(p.tensor_count for p in parts),
+        linear_shape=None if parts else block.linear_shape,
+        parts=tuple(parts) if len(parts) > 1 else ())  # one part: nothing to choose between
+
+
+def with_parts(profile: ModelProfile, blocks: Collection[str]) -> ModelProfile:
+    """``profile`` with each unit named in ``blocks`` replaced by its parts (in execution order).
+
+    What the parts do not hold (a block's norms and biases, the compute and activations between
+    its parts) goes to the root, as it does when FSDP2 wraps the parts and not the block.
+    """
+    units, root = [], profile.units[-1]
+    rest = dict(params=0, frozen=0, forward_s=0.0, backward_s=0.0, activation_bytes=0, tensors=0)
+    for unit in profile.units[:-1]:
+        if unit.name not in blocks or not unit.parts:
+            units.append(unit)
+            continue
+        units += unit.parts
+        rest["params"] += unit.param_count - sum(p.param_count for p in unit.parts)
+        rest["tensors"] += unit.tensor_count - sum(p.tensor_count for p in unit.parts)
+        rest["frozen"] += unit.frozen_param_count - sum(p.frozen_param_count for p in unit.parts)
+        for key in ("forward_s", "backward_s", "activation_bytes"):
+            rest[key] += getattr(unit, key) - sum(getattr(p, key) for p in unit.parts)
+    root = dataclasses.replace(
+        root, param_count=root.param_count + rest["params"], frozen_param_count=root.frozen_param_count + rest["frozen"],
+        tensor_count=root.tensor_count + rest["tensors"],
+        forward_s=root.forward_s + rest["forward_s"], backward_s=root.backward_s + rest["backward_s"],
+        activation_bytes=root.activation_bytes + rest["activation_bytes"])
+    return dataclasses.replace(profile, units=(*units, root))
 
 
 class _NoHook:
@@ -240,15 +233,30 @@ def measure_activation_peak(root: nn.Module, run_loss: Callable[[], torch.Tensor
 
 def _unit_profile(name: str, module_names: tuple[str, ...], params: list[nn.Parameter], root: nn.Module,
                   samples: list[_StepSample]) -> UnitProfile:
+    return assemble_unit(
+        root, name, module_names, params,
+        forward_s=statistics.median(s.forward_s.get(name, 0.0) for s in samples),
+        backward_s=statistics.median(s.backward_s.get(name, 0.0) for s in samples),
+        activation_bytes=samples[0].saved_bytes.get(name, 0), input_bytes=samples[0].input_bytes.get(name, 0))
+
+
+def linear_shape_of(root: nn.Module, name: str, module_names: tuple[str, ...]) -> tuple[int, int] | None:
+    """``(out_features, in_features)`` when the unit is one ``nn.Linear`` (a split candidate)."""
     linear = root.get_submodule(module_names[0]) if len(module_names) == 1 and name != ROOT else None
-    shape = (linear.out_features, linear.in_features) if type(linear) is nn.Linear else None
+    return (linear.out_features, linear.in_features) if type(linear) is nn.Linear else None
+
+
+def assemble_unit(root: nn.Module, name: str, module_names: tuple[str, ...], params: list[nn.Parameter], *,
+                  forward_s: float, backward_s: float, activation_bytes: int, input_bytes: int,
+                  split_overhead_s: tuple[tuple[int, float], ...] = ()) -> UnitProfile:
+    """One unit's profile from its parameters and its figures (measured or estimated)."""
     return UnitProfile(
         name=name, module_names=module_names,
         param_count=sum(p.numel() for p in params if p.requires_grad),
         frozen_param_count=sum(p.numel() for p in params if not p.requires_grad),
-        forward_s=statistics.median(s.forward_s.get(name, 0.0) for s in samples),
-        backward_s=statistics.median(s.backward_s.get(name, 0.0) for s in samples),
-        activation_bytes=samples[0].saved_bytes.get(name, 0), linear_shape=shape)
+        forward_s=forward_s, backward_s=backward_s, activation_bytes=activation_bytes, input_bytes=input_bytes,
+        linear_shape=linear_shape_of(root, name, module_names), split_overhead_s=split_overhead_s,
+        tensor_count=sum(1 for p in params if p.requires_grad))
 
 
 @contextlib.contextmanager
@@ -295,6 +303,24 @@ def _set_rng_state(state: dict) -> None:
         np.random.set_state(state["numpy"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def configured_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
+    """The (first) optimizer ``module.configure_optimizers()`` builds, in any of the forms Lightning
+    accepts (an optimizer, a dict, lists or tuples of them); ``None`` when there is none."""
+    if not hasattr(module, "configure_optimizers"):
+        return None
+    return _first_optimizer(module.configure_optimizers())
+
+
+def _first_optimizer(configured: object) -> torch.optim.Optimizer | None:
+    if isinstance(configured, torch.optim.Optimizer) or configured is None:
+        return configured
+    if isinstance(configured, dict):
+        return _first_optimizer(configured.get("optimizer"))
+    if isinstance(configured, (list, tuple)) and configured:
+        return _first_optimizer(configured[0])
+    return None
 
 
 def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> int:
@@ -359,14 +385,14 @@ def _loss_runner(module: nn.Module, batch: object | None,
             raise ValueError("profiling needs a training batch or `example_input_array` on the module")
 
         def run_forward() -> torch.Tensor:
-            with step_context():
+            with step_context(), _profiling():
                 args = example if isinstance(example, tuple) else (example,)
                 out = module(*args)
             return sum(t.float().sum() for t in _tensors(out))
         return run_forward
 
     def run_training_step() -> torch.Tensor:
-        with step_context():
+        with step_context(), _profiling():
             out = module.training_step(batch, 0)
         loss = out["loss"] if isinstance(out, dict) else out
         if not isinstance(loss, torch.Tensor):
@@ -375,6 +401,31 @@ def _loss_runner(module: nn.Module, batch: object | None,
                 "the osdp strategy profiles automatic optimization (return the loss or {'loss': ...}).")
         return loss
     return run_training_step
+
+
+_PROFILING = False
+
+
+def is_profiling() -> bool:
+    """Whether osdp is running the user's ``training_step`` (or forward) to measure it.
+
+    Profiling steps run before training starts, on rank 0, with ``self.log`` dropped and the
+    weights, gradients and RNG restored afterwards; anything else ``training_step`` does (a counter,
+    a list it appends to) also happens for them. Skip such side effects while this is ``True``
+    (also ``trainer.strategy.profiling``), or do them in ``on_train_batch_end``, which only real
+    steps reach.
+    """
+    return _PROFILING
+
+
+@contextlib.contextmanager
+def _profiling() -> Iterator[None]:
+    global _PROFILING
+    previous, _PROFILING = _PROFILING, True
+    try:
+        yield
+    finally:
+        _PROFILING = previous
 
 
 @contextlib.contextmanager
@@ -421,7 +472,7 @@ def measure_split_overheads(module: nn.Module, batch: object | None, profile: Mo
     """
     from osdp_lightning.split import measure_split_overhead_s
 
-    linear_units = [u for u in profile.units if u.linear_shape is not None]
+    linear_units = [u for u in _with_nested(profile.units) if u.linear_shape is not None]
     if not linear_units:
         return profile
     inputs: dict[str, torch.Tensor] = {}
@@ -434,12 +485,14 @@ def measure_split_overheads(module: nn.Module, batch: object | None, profile: Mo
     finally:
         for h in handles:
             h.remove()
-    updated, measured = [], {}
-    for unit in profile.units:
+    measured: dict[tuple, tuple[tuple[int, float], ...]] = {}
+
+    def with_overhead(unit: UnitProfile) -> UnitProfile:
+        if unit.parts:
+            return dataclasses.replace(unit, parts=tuple(with_overhead(p) for p in unit.parts))
         valid = [k for k in factors if unit.linear_shape is not None and unit.linear_shape[1] % k == 0]
         if unit.name not in inputs or not valid:
-            updated.append(unit)
-            continue
+            return unit
         linear = module.get_submodule(unit.module_names[0])
         x = inputs[unit.name]
         # Layers of one shape fed inputs of one shape cost the same: time each kind once.
@@ -447,5 +500,9 @@ def measure_split_overheads(module: nn.Module, batch: object | None, profile: Mo
         if key not in measured:
             with preserved_rng(), step_context():
                 measured[key] = tuple((k, max(measure_split_overhead_s(linear, x, k), 0.0)) for k in valid)
-        updated.append(dataclasses.replace(unit, split_overhead_s=measured[key]))
-    return dataclasses.replace(profile, units=tuple(updated))
+        return dataclasses.replace(unit, split_overhead_s=measured[key])
+    return dataclasses.replace(profile, units=tuple(with_overhead(u) for u in profile.units))
+
+
+def _with_nested(units: Sequence[UnitProfile]) -> list[UnitProfile]:
+    return [n for u in units for n in (u, *u.parts)]

@@ -1,4 +1,4 @@
-"""Stage 3: choose one choice per unit (design.md section 4).
+"""Stage 3: choose one choice per unit (docs/design.md, section 4).
 
 The integer program, for one :class:`~osdp_lightning.cost.ChoiceTable` (all bytes per rank):
 
@@ -6,51 +6,59 @@ The integer program, for one :class:`~osdp_lightning.cost.ChoiceTable` (all byte
 - ``T >= tr[u] + pf[u+1]`` and ``T >= pf[u] + tr[u+1]`` for every consecutive pair in execution
   order (``tr[u] = sum_c transient[u,c] x[u,c]``, ``pf`` likewise with ``prefetch``): FSDP2
   prefetches a neighbour's all-gather while a unit runs, in forward and in backward;
-- memory: ``sum(state + held) x + T + activation_bytes + fixed_bytes <= budget``;
-- minimise ``sum(compute) x + sum_u e[u]`` with ``e[u] = max(exposed[u,c], comm[u,c] - overlap[u])``
-  of the chosen ``c`` (``exposed``: the latency no overlap hides). Because exactly one ``x[u,c]``
-  is 1, that max is the linear term ``sum_c max(exposed, comm[u,c] - overlap[u]) x[u,c]``: the ``e >= ...`` rows are folded into the
-  objective, which is exact and gives CBC a tighter relaxation than separate ``e`` variables.
+- memory: ``sum(state + held + activation) x + T + activation_bytes + fixed_bytes <= budget``;
+- minimise ``fixed_step_s + sum(compute + optimizer + overhead) x + sum_u e[u]`` with
+  ``e[u] = max(exposed[u,c], comm[u,c] - overlap[u])`` of the chosen ``c`` (``exposed``: the latency
+  no overlap hides). Because exactly one ``x[u,c]`` is 1, that max is the linear term
+  ``sum_c max(exposed, comm[u,c] - overlap[u]) x[u,c]``: the ``e >= ...`` rows are folded into the
+  objective, which is exact and gives the solver a tighter relaxation than separate ``e`` variables.
 
-Exact to the byte although CBC works in floating point: bytes enter it divided by a power of ten
-(which, unlike a power of two, survives PuLP's 13-digit MPS file exactly) to keep a model's bytes
-below 1e7; CBC sees the budget plus a slack of 1e-9 of the peak, above its own tolerance, so it
-never rejects a plan that fits and its "Infeasible" is proof; every plan it returns is re-evaluated
-in integer bytes by :func:`peak_bytes`, and one over the real budget is cut off (with every plan at
-least as heavy in every unit) before CBC runs again.
+Solved by HiGHS, or CBC without ``highspy`` (:mod:`osdp_lightning.solvers`), to the proven optimum
+unless a gap or a time limit is given. Before any solver runs: the plan of each unit's fastest
+choice is the answer when it fits (it reaches the lower bound), and the knapsack plan
+(:func:`knapsack_dp`, which always fits) is handed to the solver as its first incumbent.
+
+Exact to the byte although solvers work in floating point: bytes enter it divided by a power of
+ten (which, unlike a power of two, survives PuLP's 13-digit MPS file exactly) to keep a model's
+bytes below 1e7; the solver sees the budget plus a slack of 1e-9 of the peak, above its own
+tolerance, so it never rejects a plan that fits and its "Infeasible" is proof; every plan it
+returns is re-evaluated in integer bytes by :func:`peak_bytes`, and one over the real budget is
+cut off (with every plan at least as heavy in every unit) before the solver runs again.
 """
 
 from __future__ import annotations
 
 import math
-import re
-import tempfile
 import time
-import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-try:
-    import pulp
-except ImportError as _err:  # say how to get it rather than a bare ModuleNotFoundError
-    raise ImportError("osdp_lightning solves its plans with PuLP, which is not installed: run "
-                      "`pip install pulp` (it bundles the CBC solver)") from _err
+import numpy as np
+import pulp
 
 from osdp_lightning.cost import ChoiceCost, ChoiceTable, UnitCosts
+from osdp_lightning.solvers import (
+    FEASIBLE,
+    INFEASIBLE,
+    NOT_SOLVED,
+    OPTIMAL,
+    TIME_LIMIT,
+    SolverSettings,
+    SolverUnavailableError,
+    pick_solver,
+    run,
+)
 
-OPTIMAL = "Optimal"
-INFEASIBLE = "Infeasible"
-TIME_LIMIT = "Time limit"
-"""Stopped by the time limit with a feasible, not proven optimal, assignment."""
-NOT_SOLVED = "Not Solved"
-"""Stopped (time limit) before any feasible assignment was found."""
-FEASIBLE = "Feasible"
-"""Fits, but optimality is not proven (see :attr:`Solution.gap`)."""
+__all__ = ["FEASIBLE", "INFEASIBLE", "NOT_SOLVED", "OPTIMAL", "TIME_LIMIT", "Solution", "SolverUnavailableError",
+           "knapsack_dp", "next_best_solutions", "peak_bytes", "peak_lower_bound", "smallest_feasible_budget",
+           "solve_choice_table", "step_lower_bound", "step_seconds"]
 _MAX_SCALED = 1e7
 _SLACK_RELATIVE = 1e-9
 _MAX_CUTS = 20
 _TIGHTEN_TRIES = 8
 _MAX_DP_CELLS = 5 * 10**8
+_WARM_DP_CELLS = 4096
+"""Memory cells per unit of the knapsack run that seeds the solver (coarse: it only has to fit)."""
 
 
 @dataclass(frozen=True)
@@ -126,15 +134,19 @@ def _candidates(unit: UnitCosts) -> list[ChoiceCost]:
     Dropping them keeps the optimum exact: swapping a dominated choice for its dominator never
     raises the peak or the step time. Ties keep the first listed choice.
     """
-    keys = [(c.persistent_bytes, c.transient_bytes, c.prefetch, _choice_step_s(unit, c))
-            for c in unit.choices]
-    kept = []
-    for i, key in enumerate(keys):
-        dominated = any(all(o <= k for o, k in zip(other, key, strict=True)) and (other != key or j < i)
-                        for j, other in enumerate(keys) if j != i)
-        if not dominated:
-            kept.append(unit.choices[i])
-    return kept
+    # NOTE: float64 holds bytes exactly up to 2**53 (8 PiB); all pairs at once, with numpy.
+    keys = np.array([_memory_key(c) + (_choice_step_s(unit, c),) for c in unit.choices], dtype=np.float64)
+    no_worse = (keys[:, None, :] <= keys[None, :, :]).all(axis=2)  # [j, i]: j is no worse than i anywhere
+    equal = (keys[:, None, :] == keys[None, :, :]).all(axis=2)
+    order = np.arange(len(keys))
+    earlier = order[:, None] < order[None, :]  # [j, i]: j listed before i
+    dominates = no_worse & (~equal | earlier)
+    np.fill_diagonal(dominates, False)
+    return [c for c, dominated in zip(unit.choices, dominates.any(axis=0), strict=True) if not dominated]
+
+
+def _memory_key(cost: ChoiceCost) -> tuple[int, int, int]:
+    return cost.persistent_bytes, cost.transient_bytes, cost.prefetch
 
 
 @dataclass(frozen=True)
@@ -144,11 +156,15 @@ class _Model:
     """Per unit, its candidate choices and their binaries."""
     memory: pulp.LpAffineExpression
     """Scaled, choice-dependent bytes (persistent + T) minus their constant part."""
+    memory_row: pulp.LpConstraint
+    """``memory <= budget``; its right-hand side is set per solve (see :func:`_set_budget`)."""
     memory_offset_bytes: int
     """Bytes of the peak that no choice changes (minima, activations, fixed)."""
     max_peak_bytes: int
     """Peak of the heaviest choices everywhere: budgets above it constrain nothing."""
     scale: int
+    columns: tuple[pulp.LpVariable, ...]
+    """Every variable (``T`` and the binaries), so the solver need not collect them from the rows."""
 
 
 def _new_variable(problem: pulp.LpProblem, name: str, category: str) -> pulp.LpVariable:
@@ -163,185 +179,178 @@ def _check_table(table: ChoiceTable) -> None:
         raise ValueError("the choice table needs at least one unit, and every unit at least one choice")
 
 
-def _build_model(table: ChoiceTable) -> _Model:
-    """Variables, one-choice rows and prefetch-pair rows; objective and budget are set later."""
+def _differences(pairs: list[tuple[ChoiceCost, pulp.LpVariable]], size: Callable[[ChoiceCost], int], scale: int,
+                 sign: float) -> tuple[int, list[tuple[pulp.LpVariable, float]]]:
+    """The least ``size`` of the choices, and each choice's excess over it as scaled row terms."""
+    least = min(size(c) for c, _ in pairs)
+    return least, [(x, sign * (size(c) - least) / scale) for c, x in pairs if size(c) > least]
+
+
+def _build_model(table: ChoiceTable, prune: bool = True) -> _Model:
+    """Variables, one-choice rows, prefetch-pair rows and the memory row; the objective is set later.
+
+    ``prune``: leave out dominated choices (exact for the optimum, not for the k best plans).
+    """
     _check_table(table)
     scale = _memory_scale(table)
     problem = pulp.LpProblem("osdp", pulp.LpMinimize)
     peak_t = _new_variable(problem, "T", pulp.LpContinuous)
-    variables, persistent_terms, transient_terms, prefetch_terms = [], [], [], []
+    variables, persistent_terms, transients, prefetches = [], [], [], []
     offset = table.activation_bytes + table.fixed_bytes
-    min_transients, min_prefetches = [], []
+    kept: dict[tuple, list[ChoiceCost]] = {}  # identical units (same costs) are pruned once
     for u, unit in enumerate(table.units):
-        candidates = _candidates(unit)
-        xs = [_new_variable(problem, f"x_{u}_{i}", pulp.LpBinary) for i in range(len(candidates))]
-        variables.append(tuple(zip(candidates, xs, strict=True)))
-        problem += pulp.lpSum(xs) == 1, f"one_{u}"
+        key = (unit.choices, unit.overlap_s)
+        if key not in kept:
+            kept[key] = _candidates(unit) if prune else list(unit.choices)
+        pairs = [(c, _new_variable(problem, f"x_{u}_{i}", pulp.LpBinary)) for i, c in enumerate(kept[key])]
+        variables.append(tuple(pairs))
+        problem += pulp.LpAffineExpression([(x, 1.0) for _, x in pairs]) == 1, f"one_{u}"
         # NOTE: per-unit minima move to constants, so the rows only carry the differences.
-        min_persistent = min(c.persistent_bytes for c in candidates)
-        min_transient = min(c.transient_bytes for c in candidates)
-        offset += min_persistent
-        min_transients.append(min_transient)
-        persistent_terms += [(x, (c.persistent_bytes - min_persistent) / scale)
-                             for c, x in zip(candidates, xs, strict=True) if c.persistent_bytes > min_persistent]
-        transient_terms.append([(x, -(c.transient_bytes - min_transient) / scale)
-                                for c, x in zip(candidates, xs, strict=True) if c.transient_bytes > min_transient])
-        min_prefetch = min(c.prefetch for c in candidates)
-        min_prefetches.append(min_prefetch)
-        prefetch_terms.append([(x, -(c.prefetch - min_prefetch) / scale)
-                               for c, x in zip(candidates, xs, strict=True) if c.prefetch > min_prefetch])
-    if len(table.units) == 1:
-        row = pulp.LpAffineExpression([(peak_t, 1.0), *transient_terms[0]])
-        problem += row >= min_transients[0] / scale, "single_0"
+        least, terms = _differences(pairs, lambda c: c.persistent_bytes, scale, 1.0)
+        offset += least
+        persistent_terms += terms
+        transients.append(_differences(pairs, lambda c: c.transient_bytes, scale, -1.0))
+        prefetches.append(_differences(pairs, lambda c: c.prefetch, scale, -1.0))
     # T >= running unit's transient + what its neighbour already holds, both orders of each pair.
-    for u in range(len(table.units) - 1):
-        for run, held, tag in ((u, u + 1, "f"), (u + 1, u, "b")):
-            row = pulp.LpAffineExpression([(peak_t, 1.0), *transient_terms[run], *prefetch_terms[held]])
-            problem += row >= (min_transients[run] + min_prefetches[held]) / scale, f"pair_{tag}{u}"
+    rows = [(u, u + 1, f"f{u}") for u in range(len(table.units) - 1)]
+    rows += [(u + 1, u, f"b{u}") for u in range(len(table.units) - 1)]
+    for run_u, held_u, tag in rows or [(0, None, "single")]:
+        (run_least, run_terms), (held_least, held_terms) = transients[run_u], (
+            prefetches[held_u] if held_u is not None else (0, []))
+        row = pulp.LpAffineExpression([(peak_t, 1.0), *run_terms, *held_terms])
+        problem += row >= (run_least + held_least) / scale, f"pair_{tag}"
     memory = pulp.LpAffineExpression([*persistent_terms, (peak_t, 1.0)])
     max_peak = offset + round(sum(coef for _, coef in persistent_terms) * scale) + _transient_peak(
         [max(c.transient_bytes for c, _ in pairs) for pairs in variables],
         [max(c.prefetch for c, _ in pairs) for pairs in variables])
-    return _Model(problem, tuple(variables), memory, offset, max_peak, scale)
+    memory_row = memory <= (max_peak + 1 - offset) / scale  # constrains nothing until a budget is set
+    problem += memory_row, "memory"
+    columns = (peak_t, *(x for pairs in variables for _, x in pairs))
+    return _Model(problem, tuple(variables), memory, memory_row, offset, max_peak, scale, columns)
 
 
-class SolverUnavailableError(RuntimeError):
-    """The CBC solver is missing or failed to run."""
-
-
-def _solve_or_explain(problem: pulp.LpProblem, solver: pulp.LpSolver) -> None:
-    hint = ("reinstall PuLP, which bundles CBC (`pip install --force-reinstall pulp`), or skip the solver "
-            "with OSDPStrategy(plan=<saved plan>) or uniform_choice=")
-    if not solver.available():
-        raise SolverUnavailableError(f"the CBC solver is not available ({solver.path}); {hint}")
-    try:
-        problem.solve(solver)
-    except pulp.PulpSolverError as err:
-        raise SolverUnavailableError(f"the CBC solver failed: {err}; {hint}") from err
-
-
-def _run_cbc(problem: pulp.LpProblem, time_limit_s: float | None, msg: bool,
-             increment: float | None = None) -> tuple[str, float | None]:
-    """Solve with CBC; our status, and CBC's best bound when a time limit stopped it."""
-    # NOTE: CBC's default cutoff increment (1e-5, absolute) and gaps can stop short of the
-    # optimum on small objectives; ask for the exact optimum unless a time limit says otherwise.
-    options = ["allow 0", "ratio 0"] + ([f"increment {increment!r}"] if increment else [])
-    with tempfile.TemporaryDirectory() as tmp:
-        log_path = Path(tmp) / "cbc.log"
-        with warnings.catch_warnings():
-            # PuLP 3.3 deprecates its bundled CBC for PuLP 4.0; it is still the one that ships.
-            warnings.filterwarnings("ignore", "PULP_CBC_CMD is deprecated", DeprecationWarning)
-            solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, options=options,
-                                       logPath=str(log_path))
-        _solve_or_explain(problem, solver)
-        log = log_path.read_text() if log_path.exists() else ""
-    if msg:
-        print(log)
-    # NOTE: PuLP reports "Optimal" for a time-limited incumbent too; sol_status tells them apart.
-    if problem.sol_status == pulp.LpSolutionOptimal:
-        return OPTIMAL, None
-    if problem.sol_status == pulp.LpSolutionIntegerFeasible:
-        return TIME_LIMIT, _parse_bound(log)
-    if problem.status == pulp.LpStatusInfeasible:
-        return INFEASIBLE, None
-    return NOT_SOLVED, None
-
-
-def _parse_bound(log: str) -> float | None:
-    # The progress lines print the bound with more digits than the final "Lower bound:" line.
-    found = re.findall(r"best possible ([-+0-9.eE]+)", log)
-    return float(found[-1]) if found else None
+def _set_budget(model: _Model, budget_bytes: float) -> None:
+    """What the solver sees as the budget: ``budget_bytes`` plus the slack (see module docstring)."""
+    rhs = min(budget_bytes, model.max_peak_bytes) + _slack_bytes(model) - model.memory_offset_bytes
+    model.memory_row.changeRHS(rhs / model.scale)
 
 
 def _relative_gap(objective: float, status: str, bound: float | None) -> float | None:
     if status == OPTIMAL:
         return 0.0
-    if bound is None:
+    if bound is None or not math.isfinite(bound):  # stopped before any bound was proven
         return None
     return max(0.0, objective - bound) / max(abs(objective), 1e-12)
 
 
 def _read_choices(model: _Model) -> tuple[str, ...]:
-    # argmax, not "== 1": CBC's integer tolerance leaves values like 0.9999999.
+    # argmax, not "== 1": the solvers' integer tolerance leaves values like 0.9999999.
     return tuple(max(pairs, key=lambda pair: pair[1].varValue or 0.0)[0].choice
                  for pairs in model.variables)
 
 
 def _step_objective(table: ChoiceTable, model: _Model) -> pulp.LpAffineExpression:
-    return table.fixed_step_s + pulp.lpSum(_choice_step_s(unit, c) * x for unit, pairs in
-                                           zip(table.units, model.variables, strict=True) for c, x in pairs)
+    return pulp.LpAffineExpression([(x, _choice_step_s(unit, c)) for unit, pairs in
+                                    zip(table.units, model.variables, strict=True) for c, x in pairs],
+                                   constant=table.fixed_step_s)
 
 
-def _exclude(model: _Model, choices: tuple[str, ...], index: int) -> None:
-    """Cut off a plan that is over budget, with every plan at least as heavy in every unit.
+def _exclude(model: _Model, choices: tuple[str, ...], heavier_too: bool = True) -> None:
+    """Cut off one assignment; ``heavier_too``: with every plan at least as heavy in every unit.
 
-    The peak only grows with each unit's persistent and transient bytes, so all of those are
-    over budget too: the cut removes no plan that fits.
+    The peak only grows with each unit's persistent and transient bytes, so when ``choices`` is
+    over budget all of those are too: the cut removes no plan that fits.
     """
-    heavier = []
+    cut = []
     for pairs, choice in zip(model.variables, choices, strict=True):
-        mine = next(c for c, _ in pairs if c.choice == choice)
-        heavier += [x for c, x in pairs if c.persistent_bytes >= mine.persistent_bytes
-                    and c.transient_bytes >= mine.transient_bytes and c.prefetch >= mine.prefetch]
-    model.problem.addConstraint(pulp.lpSum(heavier) <= len(choices) - 1, f"exclude_{index}")
+        mine = next(_memory_key(c) for c, _ in pairs if c.choice == choice)
+        cut += [x for c, x in pairs if c.choice == choice or (
+            heavier_too and all(o >= m for o, m in zip(_memory_key(c), mine, strict=True)))]
+    index = len(_constraints_of(model.problem))
+    model.problem.addConstraint(pulp.LpAffineExpression([(x, 1.0) for x in cut]) <= len(choices) - 1,
+                                f"exclude_{index}")
+
+
+def _constraints_of(problem: pulp.LpProblem) -> list[pulp.LpConstraint]:
+    found = problem.constraints
+    return found() if callable(found) else list(found.values())  # PuLP 3.3 / 2.x
 
 
 def _remaining_s(time_limit_s: float | None, start: float) -> float | None:
     return None if time_limit_s is None else max(time_limit_s - (time.perf_counter() - start), 0.1)
 
 
-def _run_once(model: _Model, time_limit_s: float | None, msg: bool, increment: float
+def _run_once(model: _Model, settings: SolverSettings, start: float, warm: dict[str, float] | None = None
               ) -> tuple[str, float | None, tuple[str, ...]]:
-    """CBC's status, bound (time limit only) and plan (empty when it has none)."""
-    status, bound = _run_cbc(model.problem, time_limit_s, msg, increment)
-    return status, bound, _read_choices(model) if status in (OPTIMAL, TIME_LIMIT) else ()
+    """The solver's status, bound (when not proven) and plan (empty when it has none)."""
+    settings = replace(settings, time_limit_s=_remaining_s(settings.time_limit_s, start))
+    result = run(model.problem, settings, warm, model.columns)
+    found = result.status in (OPTIMAL, TIME_LIMIT, FEASIBLE)
+    return result.status, result.bound, _read_choices(model) if found else ()
+
+
+def _settings(table: ChoiceTable, time_limit_s: float | None, gap: float | None, msg: bool,
+              solver: str | None) -> SolverSettings:
+    if gap is not None and not 0.0 <= gap < 1.0:
+        raise ValueError(f"gap must be a relative gap in [0, 1), got {gap!r}")
+    # Prune only branches that cannot beat the incumbent by a billionth of the slowest plan.
+    slowest_s = table.fixed_step_s + sum(max(_choice_step_s(u, c) for c in u.choices) for u in table.units)
+    return SolverSettings(pick_solver(solver), time_limit_s, gap, 1e-9 * max(slowest_s, 1e-12), msg)
 
 
 def solve_choice_table(table: ChoiceTable, budget_bytes: int, time_limit_s: float | None = None,
-                       msg: bool = False) -> Solution:
+                       msg: bool = False, *, gap: float | None = None, solver: str | None = None) -> Solution:
     """The fastest assignment whose exact peak fits ``budget_bytes`` (see module docstring).
 
     Infeasible budgets give ``status == "Infeasible"`` and no choices; they never raise.
-    ``time_limit_s`` bounds the whole call (all CBC runs together).
+    ``time_limit_s`` bounds the whole call (all solver runs together); ``gap`` (relative) stops
+    the solver once its plan is proven within that share of the optimum (status ``Feasible`` and
+    the gap, unless it is proven optimal anyway). ``solver``: ``"highs"`` or ``"cbc"`` (default:
+    :func:`~osdp_lightning.solvers.pick_solver`).
     """
     start = time.perf_counter()
+    _check_table(table)
+    settings = _settings(table, time_limit_s, gap, msg, solver)
+    fastest = _fastest_plan(table)
+    if peak_bytes(table, fastest) <= budget_bytes:  # it reaches the lower bound: nothing to search
+        return _solution(table, fastest, OPTIMAL, None, start)
     model = _build_model(table)
     model.problem.setObjective(_step_objective(table, model))
-    # Prune only branches that cannot beat the incumbent by a billionth of the slowest plan.
-    slowest_s = sum(max(_choice_step_s(u, c) for c in u.choices) for u in table.units)
-    increment = 1e-9 * max(slowest_s, 1e-12)
-    if budget_bytes >= model.max_peak_bytes:  # every assignment fits: no memory row
-        status, bound, choices = _run_once(model, time_limit_s, msg, increment)
-        return _solution(table, choices, status, bound, start)
-    # NOTE: CBC decides feasibility only to about 1e-8 of the row (presolve included). It gets a
-    # slightly larger budget, so it never rejects a plan that fits; "Infeasible" is then proof.
-    # A plan it returns over the budget is cut off (with every heavier plan) and CBC runs again.
-    memory = model.memory <= (budget_bytes + _slack_bytes(model) - model.memory_offset_bytes) / model.scale
-    model.problem.addConstraint(memory, "memory")
+    return _solve_within(table, model, budget_bytes, settings, start, _warm_start(table, model, budget_bytes))
+
+
+def _solve_within(table: ChoiceTable, model: _Model, budget_bytes: int, settings: SolverSettings, start: float,
+                  warm: tuple[tuple[str, ...], dict[str, float]] | None = None) -> Solution:
+    """The best plan of ``model`` (its objective as set) that fits ``budget_bytes`` exactly.
+
+    NOTE: solvers decide feasibility only to about 1e-8 of the row (presolve included). They get
+    a slightly larger budget, so they never reject a plan that fits; "Infeasible" is then proof.
+    A plan over the budget is cut off (with every heavier plan) and the solver runs again.
+    """
+    _set_budget(model, budget_bytes)
     lower_bound: float | None = None
-    for index in range(_MAX_CUTS):
-        status, bound, choices = _run_once(model, _remaining_s(time_limit_s, start), msg, increment)
+    for _ in range(_MAX_CUTS):
+        status, bound, choices = _run_once(model, settings, start, warm[1] if warm else None)
+        if not choices and warm and status == NOT_SOLVED:  # stopped before its first plan: the seed fits
+            return _solution(table, warm[0], TIME_LIMIT, None, start)
         if not choices or peak_bytes(table, choices) <= budget_bytes:
             return _solution(table, choices, status, bound, start)
-        _exclude(model, choices, index)
+        _exclude(model, choices)
         # The relaxed problem's optimum bounds the true one from below.
         lower_bound = pulp.value(model.problem.objective) if status == OPTIMAL else bound
-    return _solve_tightened(table, model, memory, budget_bytes, lower_bound, (time_limit_s, msg, increment),
-                            start)
+    return _solve_tightened(table, model, budget_bytes, lower_bound, settings, start)
 
 
-def _solve_tightened(table: ChoiceTable, model: _Model, memory: pulp.LpConstraint, budget_bytes: int,
-                     lower_bound: float | None, run: tuple[float | None, bool, float], start: float
-                     ) -> Solution:
-    """Many plans just over the budget (symmetric units): shrink CBC's budget until one fits.
+def _solve_tightened(table: ChoiceTable, model: _Model, budget_bytes: int, lower_bound: float | None,
+                     settings: SolverSettings, start: float) -> Solution:
+    """Many plans just over the budget (symmetric units): shrink the solver's budget until one fits.
 
     The plan found then fits for sure; it is proven optimal only if it reaches ``lower_bound``.
     """
-    time_limit_s, msg, increment = run
     margin = _slack_bytes(model)
     for _ in range(_TIGHTEN_TRIES):
-        memory.changeRHS((budget_bytes - margin - model.memory_offset_bytes) / model.scale)
-        status, bound, choices = _run_once(model, _remaining_s(time_limit_s, start), msg, increment)
+        _set_budget(model, budget_bytes - 2 * margin)
+        status, bound, choices = _run_once(model, settings, start)
         if not choices:  # plans between the shrunk budget and the real one may still fit
             break
         if peak_bytes(table, choices) <= budget_bytes:
@@ -362,22 +371,104 @@ def _solution(table: ChoiceTable, choices: tuple[str, ...], status: str, bound: 
     if not choices:
         return Solution((), status, math.inf, 0, time.perf_counter() - start)
     step_s = step_seconds(table, choices)
-    return Solution(choices, status, step_s, peak_bytes(table, choices), time.perf_counter() - start,
-                    _relative_gap(step_s, status, bound))
+    gap = _relative_gap(step_s, status, bound)
+    if status == FEASIBLE and gap is not None and gap <= 1e-9:  # stopped at a gap, but the optimum anyway
+        status, gap = OPTIMAL, 0.0
+    return Solution(choices, status, step_s, peak_bytes(table, choices), time.perf_counter() - start, gap)
 
 
-def smallest_feasible_budget(table: ChoiceTable, time_limit_s: float | None = None) -> int:
+def step_lower_bound(table: ChoiceTable) -> float:
+    """Seconds per step no plan beats, whatever the budget: every unit at its fastest choice."""
+    return step_seconds(table, _fastest_plan(table))
+
+
+def peak_lower_bound(table: ChoiceTable) -> int:
+    """Bytes per rank below every plan's peak: each unit's least persistent, transient and prefetch bytes."""
+    least = [tuple(min(k) for k in zip(*(_memory_key(c) for c in unit.choices), strict=True)) for unit in table.units]
+    return (sum(k[0] for k in least) + _transient_peak([k[1] for k in least], [k[2] for k in least])
+            + table.activation_bytes + table.fixed_bytes)
+
+
+def _fastest_plan(table: ChoiceTable) -> tuple[str, ...]:
+    """Each unit's fastest choice (the lightest of equally fast ones): the plan of no budget."""
+    return tuple(min(unit.choices, key=lambda c: (_choice_step_s(unit, c), _memory_key(c))).choice
+                 for unit in table.units)
+
+
+def _warm_start(table: ChoiceTable, model: _Model, budget_bytes: int
+                ) -> tuple[tuple[str, ...], dict[str, float]] | None:
+    """A coarse knapsack plan (it always fits) as the solver's first incumbent, by variable name.
+
+    Dominated choices it picks are swapped for a kept choice that dominates them (never heavier
+    nor slower), so the seed is a point of the model and at least as good as the knapsack plan.
+    """
+    span = sum(max(c.persistent_bytes for c in u.choices) - min(c.persistent_bytes for c in u.choices)
+               for u in table.units)
+    seed = knapsack_dp(table, budget_bytes, resolution_bytes=max(1, -(-span // _WARM_DP_CELLS)))
+    if not seed.feasible:
+        return None
+    choices, values = [], {}
+    for unit, pairs, choice in zip(table.units, model.variables, seed.choices, strict=True):
+        mine = unit.cost_of(choice)
+        key = _memory_key(mine) + (_choice_step_s(unit, mine),)
+        kept = next(c for c, _ in pairs if c.choice == choice or all(
+            o <= k for o, k in zip(_memory_key(c) + (_choice_step_s(unit, c),), key, strict=True)))
+        choices.append(kept.choice)
+        values.update({x.name: float(c is kept) for c, x in pairs})
+    costs = _chosen(table, choices)
+    values["T"] = _transient_peak([c.transient_bytes for c in costs], [c.prefetch for c in costs]) / model.scale
+    return tuple(choices), values
+
+
+def next_best_solutions(table: ChoiceTable, budget_bytes: int, count: int, time_limit_s: float | None = None,
+                        solver: str | None = None) -> list[Solution]:
+    """The ``count`` fastest distinct assignments that fit ``budget_bytes``, best first.
+
+    Each next one is the best plan different from all before it (every choice is a candidate,
+    dominated ones included, so this is the true k-best list). Fewer when fewer plans fit, or
+    when ``time_limit_s`` (all solves together) runs out; a plan not proven the next best says so
+    in its ``status``.
+    """
+    start = time.perf_counter()
+    settings = _settings(table, time_limit_s, None, False, solver)
+    model = _build_model(table, prune=False)
+    model.problem.setObjective(_step_objective(table, model))
+    found: list[Solution] = []
+    while len(found) < count:
+        solution = _solve_within(table, model, budget_bytes, settings, start)
+        if not solution.feasible:
+            break
+        found.append(solution)
+        _exclude(model, solution.choices, heavier_too=False)
+        if time_limit_s is not None and time.perf_counter() - start >= time_limit_s:
+            break
+    return found
+
+
+def smallest_feasible_budget(table: ChoiceTable, time_limit_s: float | None = None,
+                             solver: str | None = None) -> int:
     """The smallest per-rank budget any assignment fits: the minimum exact peak bytes.
 
-    Stopped by ``time_limit_s``, it is the peak of the best plan found: a budget that fits.
+    Checked: after the least-peak solve, a solve at one byte less must be infeasible (else its
+    plan is lighter and the check repeats). Stopped by ``time_limit_s``, it is the peak of the
+    best plan found: a budget that fits.
     """
+    start = time.perf_counter()
+    _check_table(table)
     model = _build_model(table)
     model.problem.setObjective(model.memory)
     # Peaks are whole bytes, so any better assignment is at least one byte (1/scale) better.
-    status, _ = _run_cbc(model.problem, time_limit_s, False, increment=0.5 / model.scale)
-    if status not in (OPTIMAL, TIME_LIMIT):
+    settings = SolverSettings(pick_solver(solver), time_limit_s, None, 0.5 / model.scale)
+    status, _, choices = _run_once(model, settings, start)
+    if not choices:
         raise RuntimeError(f"minimising the peak failed: {status}")
-    return peak_bytes(table, _read_choices(model))
+    smallest = peak_bytes(table, choices)
+    while status == OPTIMAL:
+        lighter = _solve_within(table, model, smallest - 1, settings, start)
+        if not lighter.feasible:
+            break
+        smallest, status = lighter.peak_bytes, lighter.status
+    return smallest
 
 
 def knapsack_dp(table: ChoiceTable, budget_bytes: int, resolution_bytes: int = 2**20) -> Solution:

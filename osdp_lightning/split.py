@@ -291,27 +291,33 @@ def split_linear_in_module(root: nn.Module, qualified_name: str, k: int) -> Spli
     return split
 
 
-def shard_split_linear(split: SplitLinear, sharded: int, shard_mesh: Any, replicate_mesh: Any,
+def shard_split_linear(split: SplitLinear, sharded: int, shard_mesh: Any, replicate_mesh: Any | None,
                        mp_policy: Any = None) -> None:
     """Apply FSDP2 to each slice of ``split``: the first ``sharded`` slices zero3, the rest replicated.
 
-    ``shard_mesh`` is a 1-D mesh over all ranks; ``replicate_mesh`` a (W, 1) mesh with
-    ``mesh_dim_names`` (pure replication, design.md section 3). The bias is left to the enclosing
-    ``fully_shard`` call, which the caller must make afterwards (as for any FSDP2 model). Every
-    rank must make the same calls (same ``sharded``), or collectives deadlock.
+    ``shard_mesh`` is a 1-D mesh over all ranks. ``replicate_mesh``: a (W, 1) mesh with
+    ``mesh_dim_names`` puts the replicated slices on FSDP2 (pure replication); ``None`` marks them
+    for DDP's reducer (``osdp_lightning.replicate``, what plans use: no copies, bucketed
+    all-reduce), which the caller then builds with ``finish_replicate``. The bias is left to the
+    enclosing ``fully_shard`` call, which the caller must make afterwards (as for any FSDP2
+    model). Every rank must make the same calls (same ``sharded``), or collectives deadlock.
     """
     from torch.distributed.fsdp import fully_shard
+
+    from osdp_lightning.replicate import mark_replicated
 
     if not 0 <= sharded <= split.k:
         raise ValueError(f"sharded must be in [0, {split.k}], got {sharded}")
     if shard_mesh.ndim != 1:
         raise ValueError(f"shard_mesh must be 1-D, got {shard_mesh.ndim}-D")
-    if replicate_mesh.ndim != 2 or replicate_mesh.mesh_dim_names is None:
+    if replicate_mesh is not None and (replicate_mesh.ndim != 2 or replicate_mesh.mesh_dim_names is None):
         raise ValueError("replicate_mesh must be a 2-D (W, 1) mesh with mesh_dim_names")
     extra = {} if mp_policy is None else {"mp_policy": mp_policy}
     for index, piece in enumerate(split.slices):
         if index < sharded:
             fully_shard(piece, mesh=shard_mesh, reshard_after_forward=True, **extra)
+        elif replicate_mesh is None:
+            mark_replicated(piece)
         else:
             fully_shard(piece, mesh=replicate_mesh, reshard_after_forward=False, **extra)
 

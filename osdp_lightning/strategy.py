@@ -10,8 +10,10 @@ At ``setup`` (after the process group exists, before the optimizer is built) the
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -29,22 +31,35 @@ from torch import nn
 from typing_extensions import override
 
 from osdp_lightning import checkpoint as checkpoint_io
+from osdp_lightning.accumulate import check_accumulation, no_gradient_sync
 from osdp_lightning.apply import Meshes, apply_plan, build_meshes
-from osdp_lightning.budget import PLAN_HEADROOM_FRACTION, default_memory_budget, parse_bytes
-from osdp_lightning.calibrate import CollectiveTimings, measure_collectives
-from osdp_lightning.cluster import NodeTimings, live_cluster_spec, measure_node_collectives
-from osdp_lightning.cost import BASE_CHOICES, REPLICATE, ClusterSpec, group_choices_for, split_choices_for
+from osdp_lightning.budget import (
+    default_memory_budget,
+    device_memory_bytes,
+    format_bytes,
+    parse_bytes,
+    parse_memory_budget,
+    plan_headroom,
+)
+from osdp_lightning.calibrate import CollectiveTimings, calibrate_step_terms, measure_collectives
+from osdp_lightning.choices import ALIASES, ChoiceOptions, choice_space, known_names, resolve
+from osdp_lightning.clip import with_sharded_clipping
+from osdp_lightning.cluster import ClusterSpec, NodeTimings, live_cluster_spec, measure_node_collectives
 from osdp_lightning.faults import all_ranks_succeed, init_elastic_process_group
-from osdp_lightning.plan import Plan, make_plan
+from osdp_lightning.plan import Plan, baseline_peak_bytes, make_plan
 from osdp_lightning.profile import (
     DEFAULT_MIN_UNIT_PARAMS,
     ModelProfile,
+    configured_optimizer,
+    is_profiling,
     measure_split_overheads,
     preserved_rng,
     profile_lightning_module,
 )
+from osdp_lightning.report import format_comparison, log_plan
+from osdp_lightning.shutdown import release_at_exit
+from osdp_lightning.step_terms import StepTerms, default_loop_step_s
 
-_BASELINE_ALIASES = {"ddp": REPLICATE, "fsdp": "zero3"}
 AUTO_BATCH_FACTORS = (0.25, 0.5, 1, 2, 4, 8)
 
 
@@ -65,22 +80,32 @@ class OSDPStrategy(ModelParallelStrategy):
     under a per-rank memory budget and applied with FSDP2.
 
     Args:
-        memory_budget: Per-rank bytes, as an int or a string such as ``"6GiB"``. Default: the
-            device's memory minus 8% on CUDA, 80% of RAM shared by the node's ranks on CPU.
+        memory_budget: Per-rank budget: bytes (an int, or ``"6GiB"``), a share of the device
+            (``"70%"``), or a share of a baseline's predicted peak (``"95%ddp"``, ``"120%zero3"``,
+            resolved after profiling); see :mod:`osdp_lightning.budget`. Default: the device's
+            memory minus 8% on CUDA (``"92%"``), 80% of RAM shared by the node's ranks on CPU (``"80%"``).
         plan: A :class:`Plan` or a path to a saved plan JSON; skips profiling and solving.
         micro_batch_size: ``None`` keeps the user's; an int sets the module's or datamodule's
             ``batch_size``; ``"auto"`` searches sizes for the highest predicted throughput.
         uniform_choice: Give every unit this choice instead of solving (baselines: ``"ddp"`` /
             ``"replicate"``, ``"zero2"``, ``"zero3"``).
         split_factors: Slice counts the ILP may split Linear layers into; ``()`` turns it off.
+        activation_checkpointing: ``"auto"``: the ILP decides per unit whether to recompute its
+            activations in backward (``zero3+ckpt``); ``"never"``; ``"always"``: every unit.
         unit_module_types / unit_name_patterns: Which modules are units (default: leaf modules
             with at least ``min_unit_params`` parameters).
         overlap_efficiency: Share of communication hidden by compute. Default: measured at setup on
             CUDA; 0 on CPU (gloo competes with compute for the same cores).
         solver_time_limit_s: Stop the ILP after this long and use the best plan found (the plan
             says "Time limit" and gives the gap); ``None`` always proves the optimum. Small
-            models solve to optimality in well under a second; many units with split choices
-            can take CBC minutes.
+            models solve to optimality in well under a second, 1,000-2,000 units in seconds
+            with HiGHS (the default); CBC (used without ``highspy``) can take minutes there.
+        headroom: Part of the budget plans keep free for what the memory model misses: a share
+            (``0.05``) or bytes (``"256MiB"``). Default: 2% on CPU (the model's measured miss), on
+            CUDA 2% plus the allocator's fragmentation measured while profiling
+            (:func:`osdp_lightning.budget.plan_headroom_bytes`).
+        calibration_cache: Reuse the step-time terms measured earlier on this machine
+            (``~/.cache/osdp_lightning``, or ``$OSDP_LIGHTNING_CACHE_DIR``); ``False`` measures anew.
         save_distributed_checkpoint: Sharded (default) or one consolidated checkpoint file.
     """
 
@@ -91,22 +116,31 @@ class OSDPStrategy(ModelParallelStrategy):
     def __init__(self, memory_budget: int | str | None = None, plan: Plan | str | Path | None = None,
                  micro_batch_size: int | Literal["auto"] | None = None, uniform_choice: str | None = None,
                  split_factors: Sequence[int] = (2, 4, 8),
+                 activation_checkpointing: Literal["auto", "never", "always"] = "auto",
                  unit_module_types: Sequence[str | type] | None = None,
                  unit_name_patterns: Sequence[str] | None = None,
                  min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS, profile_repeats: int = 3,
                  overlap_efficiency: float | None = None, solver_time_limit_s: float | None = 60.0,
+                 headroom: float | int | str | None = None, calibration_cache: bool = True,
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self.memory_budget_bytes = parse_bytes(memory_budget) if memory_budget is not None else None
+        self.memory_budget = parse_memory_budget(memory_budget) if memory_budget is not None else None
+        self.memory_budget_bytes = self.memory_budget.bytes if self.memory_budget is not None else None
         self._plan_source = plan if isinstance(plan, Plan) else (Plan.load(plan) if plan is not None else None)
         self.micro_batch_size = _check_micro_batch_size(micro_batch_size)
         self.uniform_choice = _check_uniform_choice(uniform_choice)
         self.split_factors = _check_split_factors(split_factors)
+        self.choice_options = ChoiceOptions(split_factors=self.split_factors,
+                                            activation_checkpointing=activation_checkpointing)
+        choice_space(ClusterSpec(2, 1, 0.0, 1.0), self.choice_options)  # a bad option fails here, not at setup
         self.unit_module_types, self.unit_name_patterns = unit_module_types, unit_name_patterns
         self.min_unit_params, self.profile_repeats = min_unit_params, profile_repeats
         self.overlap_efficiency, self.solver_time_limit_s = overlap_efficiency, solver_time_limit_s
+        self.headroom, self.calibration_cache = _check_headroom(headroom), calibration_cache
+        self._step_terms: StepTerms | None = None
+        self._fragmentation: float | None = None
         self._plan: Plan | None = None
         self._profile: ModelProfile | None = None
         self._timings: CollectiveTimings | None = None
@@ -132,6 +166,11 @@ class OSDPStrategy(ModelParallelStrategy):
         return self._plan
 
     @property
+    def profiling(self) -> bool:
+        """``True`` while the strategy runs ``training_step`` to measure it, not to train (see README)."""
+        return is_profiling()
+
+    @property
     def profile(self) -> ModelProfile | None:
         """The measured profile (``None`` when the plan was given)."""
         return self._profile
@@ -146,6 +185,20 @@ class OSDPStrategy(ModelParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def release_process_groups(self) -> None:
+        """Drop the strategy's references to what holds process groups (the meshes, the sharded
+        root and its reducer); called at interpreter exit (:mod:`osdp_lightning.shutdown`)."""
+        self._meshes = None
+        self._root = None
+        self.model = None
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's accumulation micro-steps: no reduce-scatter or all-reduce (accumulate.py)."""
+        with no_gradient_sync(self.model):
+            yield
 
     @override
     def setup_environment(self) -> None:
@@ -164,6 +217,7 @@ class OSDPStrategy(ModelParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
+        check_accumulation(trainer.accumulate_grad_batches)  # Lightning's own error, before any collective
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if self._root is not None and self._root.module is module:
@@ -172,21 +226,27 @@ class OSDPStrategy(ModelParallelStrategy):
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
             self._plan = self._decide_plan(trainer, module)
-            rank_zero_info(f"osdp plan ({self.world_size} ranks):\n{self._plan.format_table()}")
+            rank_zero_info(f"osdp plan ({self.world_size} ranks):\n{self._plan.format_table()}\n"
+                           f"{format_comparison(self._plan)}")
+            log_plan(trainer, self._plan)
             apply_start = time.perf_counter()
-            self._meshes = build_meshes(self.root_device.type, self.world_size)
+            self._meshes = self._meshes or build_meshes(self.root_device.type, self.world_size)
             self._root = _RootWrapper(module)
             with all_ranks_succeed("applying the osdp plan"):  # no rank waits for a failed one
                 apply_plan(module, self._root, self._plan, self._meshes)
             self.model = self._root
+            release_at_exit(self)  # the process groups must not outlive the interpreter (shutdown.py)
             self.setup_s = {
-                "calibrate_s": self._timings.calibrate_s if self._timings else 0.0,
+                "calibrate_s": (self._timings.calibrate_s if self._timings else 0.0)
+                + (self._step_terms.calibrate_s if self._step_terms else 0.0),
                 "profile_s": self._plan.profile_s, "solve_s": self._plan.solve_s,
                 "apply_s": time.perf_counter() - apply_start}
             rank_zero_info("osdp setup: " + ", ".join(f"{k[:-2]} {v:.3f} s" for k, v in self.setup_s.items()))
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+        # NOTE: Lightning clips through the precision plugin; its clipping must handle mixed meshes.
+        self.precision_plugin = with_sharded_clipping(self.precision_plugin)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -204,6 +264,14 @@ class OSDPStrategy(ModelParallelStrategy):
         self._timings = measure_collectives(self.root_device) if self.world_size > 1 else None
         if self.num_nodes > 1 and self.world_size > 1:  # every rank: intra- and inter-node links apart
             self._node_timings = measure_node_collectives(self.root_device, self.num_processes)
+        if self.world_size > 1:  # every rank; rank 0's terms (or its cache) on all
+            self._meshes = build_meshes(self.root_device.type, self.world_size)
+            self._step_terms = calibrate_step_terms(
+                self.root_device, configured_optimizer(module), self._meshes, ranks_per_node=self.num_processes,
+                split=True,  # NOTE: one cache entry per machine, whatever this run may choose
+                loop_step_s=default_loop_step_s(self.root_device.type), use_cache=self.calibration_cache)
+            rank_zero_info(f"osdp: step terms {self._step_terms.source}"
+                           + (f" ({self._step_terms.calibrate_s:.2f} s)" if self._step_terms.calibrate_s else ""))
         outcome: list[Any] = [None]
         if self.global_rank == 0:
             try:
@@ -224,7 +292,9 @@ class OSDPStrategy(ModelParallelStrategy):
     def _profile_and_solve(self, trainer: pl.Trainer, module: pl.LightningModule) -> tuple[ModelProfile, Plan]:
         with preserved_rng():
             batch = _first_training_batch(trainer, module, self)
-        optimizer = _throwaway_optimizer(module)
+        optimizer = configured_optimizer(module)
+        if self.root_device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.root_device)
         profile = profile_lightning_module(
             module, batch, unit_module_types=self.unit_module_types,
             unit_name_patterns=self.unit_name_patterns, min_unit_params=self.min_unit_params,
@@ -233,30 +303,44 @@ class OSDPStrategy(ModelParallelStrategy):
         if self.split_factors and self.uniform_choice is None and self.world_size > 1:
             profile = measure_split_overheads(module, batch, profile, self.split_factors,
                                               self.precision_plugin.train_step_context)
+        if self.root_device.type == "cuda":  # the caching allocator's slack at the profiled peak
+            allocated = torch.cuda.max_memory_allocated(self.root_device)
+            self._fragmentation = torch.cuda.max_memory_reserved(self.root_device) / allocated - 1 if allocated else None
         cluster = self._cluster_spec()
+        if self.memory_budget is not None and self.memory_budget.needs_profile:  # e.g. "95%ddp"
+            baseline_peak = baseline_peak_bytes(profile, cluster, self.memory_budget.baseline)
+            cluster = self._cluster_spec(self.memory_budget.of_peak(baseline_peak))
+            rank_zero_info(f"osdp: memory budget {self.memory_budget.text} = "
+                           f"{format_bytes(cluster.memory_budget_bytes)} per rank (the uniform "
+                           f"{self.memory_budget.baseline} plan's predicted peak: {format_bytes(baseline_peak)})")
         candidates = None
         if self.micro_batch_size == "auto":
             base = profile.micro_batch_size
             candidates = tuple(sorted({max(1, int(base * f)) for f in AUTO_BATCH_FACTORS}))
         plan = make_plan(profile, cluster, uniform_choice=self.uniform_choice, micro_batch_sizes=candidates,
-                         choices=BASE_CHOICES + split_choices_for(self.split_factors) + group_choices_for(cluster),
-                         time_limit_s=self.solver_time_limit_s)
+                         choices=choice_space(cluster, self.choice_options),
+                         time_limit_s=self.solver_time_limit_s,
+                         accumulation_steps=check_accumulation(trainer.accumulate_grad_batches))
         if plan.predicted_peak_bytes > cluster.memory_budget_bytes:
             rank_zero_warn(f"osdp: the {plan.source} plan is predicted to exceed the memory budget "
                            f"({plan.predicted_peak_bytes} > {cluster.memory_budget_bytes} bytes)")
         return profile, plan
 
-    def _cluster_spec(self) -> ClusterSpec:
-        budget = self.memory_budget_bytes or default_memory_budget(self.root_device, self.num_processes)
+    def _cluster_spec(self, budget: int | None = None) -> ClusterSpec:
+        if budget is None and self.memory_budget is not None:
+            budget = self.memory_budget.of_device(device_memory_bytes(self.root_device, self.num_processes))
+        budget = budget or default_memory_budget(self.root_device, self.num_processes)
         overlap = self.overlap_efficiency
         if overlap is None and self.root_device.type != "cuda":
             # NOTE: on CPU, gloo's collectives compete with compute for the same cores and the
             # measured figure is noise on a shared machine: CPU plans assume no overlap.
             overlap = 0.0
-        return live_cluster_spec(
+        headroom_bytes, headroom_fraction = plan_headroom(self.headroom, self.root_device, self._fragmentation)
+        spec = live_cluster_spec(
             world_size=self.world_size, ranks_per_node=self.num_processes, memory_budget_bytes=budget,
             timings=self._timings, node_timings=self._node_timings, overlap_efficiency=overlap,
-            headroom_bytes=int(budget * PLAN_HEADROOM_FRACTION))
+            headroom_bytes=headroom_bytes, headroom_fraction=headroom_fraction)
+        return dataclasses.replace(spec, step_terms=self._step_terms)
 
     # -- checkpoints: keys of the unwrapped LightningModule (osdp_lightning/checkpoint.py) ---------
     @override
@@ -312,10 +396,19 @@ def _check_micro_batch_size(value: Any) -> int | str | None:
 def _check_uniform_choice(value: str | None) -> str | None:
     if value is None:
         return None
-    choice = _BASELINE_ALIASES.get(value, value)
-    if choice not in BASE_CHOICES:
-        raise ValueError(f"uniform_choice {value!r} is not one of {list(BASE_CHOICES) + list(_BASELINE_ALIASES)}")
-    return choice
+    try:
+        return str(resolve(value))
+    except ValueError:
+        raise ValueError(f"uniform_choice {value!r} is not one of {known_names()} or the aliases "
+                         f"{list(ALIASES)}") from None
+
+
+def _check_headroom(value: float | int | str | None) -> float | int | str | None:
+    """A share of the budget (a float below 1), bytes (an int or ``"256MiB"``), or None (the default)."""
+    if value is None or (isinstance(value, float) and 0 <= value < 1) or value in (0, "0"):
+        return value
+    parse_bytes(value)  # raises, naming the accepted forms
+    return value
 
 
 def _check_split_factors(factors: Sequence[int]) -> tuple[int, ...]:
@@ -350,10 +443,3 @@ def _first_training_batch(trainer: pl.Trainer, module: pl.LightningModule, strat
     batch = next(iter(loader))
     return strategy.batch_to_device(batch, strategy.root_device)
 
-
-def _throwaway_optimizer(module: pl.LightningModule) -> torch.optim.Optimizer | None:
-    """The optimizer the module configures, built once to learn its state size, then dropped."""
-    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-
-    optimizers, _ = _init_optimizers_and_lr_schedulers(module)
-    return optimizers[0] if optimizers else None

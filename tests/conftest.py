@@ -33,3 +33,10 @@ def train(tmp_path: Path):
         return json.loads(out.read_text())
 
     return _train
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _calibration_cache_in_a_temporary_directory(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Step-term calibrations of this session (every 2-rank run inherits the variable) are cached in
+    a temporary directory: a test neither reads nor leaves the machine's ``~/.cache/osdp_lightning``."""
+    os.environ["OSDP_LIGHTNING_CACHE_DIR"] = str(tmp_path_factory.mktemp("osdp_calibration"))

@@ -10,8 +10,10 @@ import json
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import highspy
 import lightning as L
 import pulp
 import pytest
@@ -19,10 +21,11 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.errors import MissingConfigException
 
-from osdp_lightning import InfeasibleBudgetError, OSDPStrategy, PlanMismatchError, make_plan
-from osdp_lightning.cost import ClusterSpec, build_choice_table
+from osdp_lightning import InfeasibleBudgetError, OSDPStrategy, PlanMismatchError, make_plan, solvers
+from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.cost import build_choice_table
 from osdp_lightning.profile import profile_lightning_module
-from osdp_lightning.solve import SolverUnavailableError, solve_choice_table
+from osdp_lightning.solve import SolverUnavailableError, smallest_feasible_budget
 from osdp_lightning.split import SplitLinear, split_linear_in_module
 from osdp_lightning.units import select_units
 
@@ -134,17 +137,35 @@ def test_frozen_parameters_train_and_checkpoint_on_two_ranks(tmp_path: Path) -> 
 def test_a_missing_solver_says_how_to_install_it(mlp_profile, monkeypatch: pytest.MonkeyPatch) -> None:
     table = build_choice_table(mlp_profile, cluster(2**30))
     monkeypatch.setattr(pulp.PULP_CBC_CMD, "available", lambda self: False)
-    with pytest.raises(SolverUnavailableError, match="pip install --force-reinstall pulp"):
-        solve_choice_table(table, 2**30)
+    with pytest.raises(SolverUnavailableError, match="pip install --force-reinstall highspy pulp"):
+        smallest_feasible_budget(table, solver="cbc")
+    monkeypatch.setattr(solvers, "highs_installed", lambda: False)
+    with pytest.raises(SolverUnavailableError, match="`highspy` is not installed: run `pip install highspy`"):
+        smallest_feasible_budget(table, solver="highs")
+
+
+def test_without_highspy_cbc_solves_and_says_so_once(mlp_profile, monkeypatch: pytest.MonkeyPatch) -> None:
+    table = build_choice_table(mlp_profile, cluster(2**30))
+    monkeypatch.setattr(solvers, "highs_installed", lambda: False)
+    monkeypatch.setattr(solvers, "_warned_fallback", threading.Event())
+    monkeypatch.delenv(solvers.SOLVER_ENV, raising=False)
+    with pytest.warns(UserWarning, match=r"highspy is not installed, solving with CBC .*pip install highspy") as seen:
+        first = smallest_feasible_budget(table)
+        second = smallest_feasible_budget(table)
+    assert first == second and len([w for w in seen if "highspy" in str(w.message)]) == 1
 
 
 def test_a_failing_solver_says_what_failed(mlp_profile, monkeypatch: pytest.MonkeyPatch) -> None:
     def crash(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         raise pulp.PulpSolverError("Pulp: Error while executing cbc")
 
+    table = build_choice_table(mlp_profile, cluster(2**30))
     monkeypatch.setattr(pulp.LpProblem, "solve", crash)
     with pytest.raises(SolverUnavailableError, match="CBC solver failed: Pulp: Error while executing"):
-        solve_choice_table(build_choice_table(mlp_profile, cluster(2**30)), 2**30)
+        smallest_feasible_budget(table, solver="cbc")
+    monkeypatch.setattr(highspy.Highs, "getModelStatus", lambda self: highspy.HighsModelStatus.kSolveError)
+    with pytest.raises(SolverUnavailableError, match=r"HiGHS solver failed \(.*\); install the solvers again"):
+        smallest_feasible_budget(table, solver="highs")
 
 
 def test_without_pulp_the_import_error_says_how_to_install_it(tmp_path: Path) -> None:
@@ -156,7 +177,7 @@ def test_without_pulp_the_import_error_says_how_to_install_it(tmp_path: Path) ->
 # -- recipes and sizes ----------------------------------------------------------------------------
 @pytest.mark.parametrize("override, listed", [("model=gpt_huge", "gpt_tiny"), ("cluster=tpu_v9", "cpu_2")])
 def test_an_unknown_recipe_name_lists_the_options(override: str, listed: str) -> None:
-    with initialize_config_module("conf", version_base="1.3"):
+    with initialize_config_module("osdp_lightning.conf", version_base="1.3"):
         with pytest.raises(MissingConfigException, match=f"(?s)Available options in .*{listed}"):
             compose("train", overrides=["output_dir=/tmp/unused", override])
 

@@ -14,7 +14,7 @@ import pytest
 from benchmarks import compare, compare_fit, compare_report, setup_overhead
 from benchmarks.compare_worker import _SMALLEST_RE
 from osdp_lightning import InfeasibleBudgetError, make_plan
-from osdp_lightning.cost import ClusterSpec
+from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.profile import ModelProfile, UnitProfile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,11 +84,12 @@ def test_round_order_starts_with_ddp_and_alternates() -> None:
 def test_one_device_runs_ddp_and_osdp_above_its_peak() -> None:
     args = compare.build_parser().parse_args(["--accelerator", "cuda", "--devices", "1"])
     compare.resolve_defaults(args)
-    assert (args.methods, args.fractions) == ("ddp,osdp", "1.25")
+    assert (args.methods, args.fractions) == ("ddp,osdp-replicate,osdp", "1.25")
     assert compare.model_settings(args) == compare.PRESETS["cuda"]
     args = compare.build_parser().parse_args(["--n-embd", "128"])
     compare.resolve_defaults(args)
-    assert args.methods == "ddp,zero2,zero3,osdp" and compare.model_settings(args)["n_embd"] == 128
+    assert args.methods == "ddp,osdp-replicate,zero2,zero3,osdp-default,osdp"
+    assert compare.model_settings(args)["n_embd"] == 128
 
 
 def test_worker_reads_the_smallest_budget_from_the_strategy_error() -> None:
@@ -114,16 +115,19 @@ def test_setup_overhead_share() -> None:
 
 @pytest.mark.multiprocess
 def test_compare_smoke_two_ranks(tmp_path: Path) -> None:
-    """ddp then osdp at 90% of ddp's measured peak, tiny GPT, one round (two 2-rank launches)."""
+    """Lightning's ddp, osdp's uniform replicate, osdp at 90% of the latter's measured peak; tiny GPT,
+    one round (three 2-rank launches)."""
     cmd = [sys.executable, "-m", "benchmarks.compare", "--preset", "tiny", "--steps", "5", "--rounds", "1",
-           "--methods", "ddp,osdp", "--fractions", "0.9", "--out-dir", str(tmp_path), "--no-plot"]
+           "--methods", "ddp,osdp-replicate,osdp", "--fractions", "0.9", "--out-dir", str(tmp_path), "--no-plot"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = json.loads((tmp_path / "compare_runs.json").read_text())["runs"]
-    assert [(r["method"], r["fraction"], r["status"]) for r in runs] == [("ddp", None, "ok"), ("osdp", 0.9, "ok")]
-    osdp = runs[1]
-    assert osdp["budget_bytes"] == int(0.9 * runs[0]["summary"]["peak_bytes"])
+    assert [(r["method"], r["fraction"], r["status"]) for r in runs] == [
+        ("ddp", None, "ok"), ("osdp-replicate", None, "ok"), ("osdp", 0.9, "ok")]
+    assert runs[0]["plan"] is None and runs[0]["choices"] == {"Lightning strategy=ddp": 1}
+    osdp = runs[2]
+    assert osdp["budget_bytes"] == int(0.9 * runs[1]["summary"]["peak_bytes"])
     assert osdp["summary"]["peak_bytes"] <= osdp["budget_bytes"]
     assert "| osdp @ 90% |" in (tmp_path / "compare.md").read_text()
 
@@ -142,7 +146,7 @@ def test_fitted_terms_price_a_mixed_plan() -> None:
                 "phases": phases, "profile_step_s": 0.05, "plan": {"units": units},
                 "summary": {"step_s": step, "predicted_step_s": 0.07}}
 
-    runs = [run(m, [c, c]) for m, c in (("ddp", "replicate"), ("zero2", "zero2"), ("zero3", "zero3"))]
+    runs = [run(m, [c, c]) for m, c in (("osdp-replicate", "replicate"), ("zero2", "zero2"), ("zero3", "zero3"))]
     terms = compare_fit.fit_terms(runs)
     assert terms["own_s_per_param"]["zero2"] == pytest.approx(2e-8) and terms["fixed_s"] == pytest.approx(fixed)
     mixed = run("osdp", ["replicate", "zero3"])

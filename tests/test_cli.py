@@ -98,7 +98,7 @@ def test_osdp_plan_compares_osdp_with_the_baselines(tmp_path: Path) -> None:
     for name in ("ddp", "zero2", "zero3"):
         if rows[name]["fits"]:
             assert rows["osdp"]["samples_per_s"] >= rows[name]["samples_per_s"] * (1 - 1e-3)
-    for name in ("plan.json", "plan_ddp.json", "plan_zero2.json", "plan_zero3.json", "comparison.md"):
+    for name in ("plan.json", "plan_ddp.json", "plan_zero2.json", "plan_zero3.json", "comparison.md", "plan.png"):
         assert (run_dir / name).exists()
 
 
@@ -144,3 +144,29 @@ def test_sweep_table_has_a_row_per_job_failed_ones_included(tmp_path: Path) -> N
     write_csv(rows, tmp_path / "s.csv")
     parsed = list(csv.DictReader((tmp_path / "s.csv").open()))
     assert [r["status"] for r in parsed] == ["ok", "failed (exit 1, see x)"] and parsed[0]["peak_bytes"] == str(15 * 2**20)
+
+
+def test_the_wheel_installs_one_top_level_package_with_its_configs_and_recipes(tmp_path: Path) -> None:
+    """``pip install .`` must not put generic ``conf`` / ``recipes`` / ``benchmarks`` into site-packages."""
+    import shutil
+    import zipfile
+
+    source = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "outputs", "multirun")
+    for name in ("osdp_lightning", "conf", "recipes", "benchmarks"):
+        shutil.copytree(REPO / name, source / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True, timeout=600)
+    check_ok(proc)
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {name.split("/")[0] for name in names} == {"osdp_lightning", "osdp_lightning-0.1.0.dist-info"}
+    assert {"osdp_lightning/conf/train.yaml", "osdp_lightning/conf/cluster/cpu_2.yaml",
+            "osdp_lightning/conf/model/gpt_tiny.yaml", "osdp_lightning/recipes/gpt/model.py"} <= names
+    # every subpackage of the source tree ships (pyproject.toml lists them by name)
+    inits = {init.relative_to(REPO).as_posix() for init in (REPO / "osdp_lightning").rglob("__init__.py")}
+    assert inits <= names, sorted(inits - names)
+    entry_points = zipfile.ZipFile(wheel).read("osdp_lightning-0.1.0.dist-info/entry_points.txt").decode()
+    assert "osdp-train" in entry_points and "osdp-plan" in entry_points and "benchmarks" not in entry_points

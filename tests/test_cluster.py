@@ -7,6 +7,7 @@ import pytest
 
 from osdp_lightning.calibrate import CollectiveTimings
 from osdp_lightning.cluster import (
+    ClusterSpec,
     NodeTimings,
     cluster_config_dir,
     cluster_spec_from_config,
@@ -16,7 +17,7 @@ from osdp_lightning.cluster import (
     load_cluster_config,
     load_cluster_spec,
 )
-from osdp_lightning.cost import ClusterSpec, all_gather_s, all_reduce_s
+from osdp_lightning.cost import all_gather_s, all_reduce_s
 
 CONFIG_NAMES = sorted(p.stem for p in cluster_config_dir().glob("*.yaml"))
 

@@ -24,7 +24,7 @@ def options(group: str) -> list[str]:
 
 
 def compose_train(*overrides: str, config_name: str = "train") -> DictConfig:
-    with initialize_config_module("conf", version_base="1.3"):
+    with initialize_config_module("osdp_lightning.conf", version_base="1.3"):
         return compose(config_name, overrides=["output_dir=/tmp/unused", *overrides])
 
 

@@ -20,7 +20,9 @@ from toy_models import MLP, TiedLM, TorchTransformer  # noqa: E402
 
 import osdp_lightning  # noqa: E402
 from osdp_lightning import OSDPStrategy, Plan, PlanMismatchError, make_plan, parse_bytes  # noqa: E402
-from osdp_lightning.cost import ClusterSpec, all_reduce_s, base_choice_cost, build_choice_table  # noqa: E402
+from osdp_lightning.choices import choice_cost  # noqa: E402
+from osdp_lightning.cluster import ClusterSpec  # noqa: E402
+from osdp_lightning.cost import CostContext, all_reduce_s, build_choice_table  # noqa: E402
 from osdp_lightning.plan import InfeasibleBudgetError  # noqa: E402
 from osdp_lightning.profile import (  # noqa: E402
     ModelProfile,
@@ -83,12 +85,10 @@ def _profile(params: int = 1000, world_units: int = 1) -> ModelProfile:
 def test_cost_formulas_by_hand() -> None:
     profile, p = _profile(), 1000
     unit = profile.units[0]
-    rep = base_choice_cost(unit, profile, CLUSTER, "replicate")
-    z2 = base_choice_cost(unit, profile, CLUSTER, "zero2")
-    z3 = base_choice_cost(unit, profile, CLUSTER, "zero3")
-    # replicate: param + grad + Adam (2 states); FSDP2's local unsharded copy is transient; one
-    # all-reduce of the grads
-    assert rep.state_bytes == p * (4 + 4 + 8) and rep.transient_bytes == rep.prefetch_bytes == 4 * p
+    rep, z2, z3 = (choice_cost(unit, c, CostContext(profile, CLUSTER)) for c in ("replicate", "zero2", "zero3"))
+    # replicate (DDP's reducer): param + grad (bucket views) + Adam (2 states); the fresh gradient
+    # before its copy into the bucket is transient, nothing is prefetched; one all-reduce of the grads
+    assert rep.state_bytes == p * (4 + 4 + 8) and rep.transient_bytes == 4 * p and rep.prefetch_bytes == 0
     assert math.isclose(rep.comm_s, 1e-4 + 2 * 4 * p * (1 / 2) / 1e9)
     assert math.isclose(rep.comm_s, all_reduce_s(4 * p, 2, CLUSTER))
     # zero2: state / W, gathered params held forward->backward; all-gather + reduce-scatter
@@ -141,10 +141,11 @@ def test_profiling_leaves_no_trace() -> None:
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     assert "log" not in vars(model)  # self.log patched only while profiling
-    # execution order, MHA (whose out_proj forward never runs) is one unit, root last
+    # execution order, root last; blocks are units, MHA (whose out_proj forward never runs) one part
     names = [u.name for u in profile.units]
-    assert names[0] == "embed" and names[-1] == "" and "encoder.layers.0.self_attn" in names
-    assert "encoder.layers.0.self_attn.out_proj" not in names
+    assert names == ["embed", "encoder.layers.0", "encoder.layers.1", ""]
+    parts = [p.name for p in profile.units[1].parts]
+    assert "encoder.layers.0.self_attn" in parts and "encoder.layers.0.self_attn.out_proj" not in parts
     assert profile.optimizer_bytes_per_param == 8 and profile.micro_batch_size == 8
     assert sum(u.param_count for u in profile.units) == sum(p.numel() for p in model.parameters())
     assert all(u.forward_s >= 0 and u.backward_s >= 0 for u in profile.units)

@@ -7,23 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from osdp_lightning.apply import Meshes, shard_kwargs
-from osdp_lightning.cost import (
-    ClusterSpec,
-    all_gather_s,
-    all_reduce_s,
-    base_choice_cost,
-    build_choice_table,
-    group_choices_for,
-    hsdp_choice,
-    hsdp_choice_cost,
-    is_known_choice,
-    parse_hsdp_choice,
-    parse_split_choice,
-    parse_zero3_reshard_choice,
-    zero3_reshard_choice,
-    zero3_reshard_choice_cost,
-)
+from osdp_lightning.apply import Meshes
+from osdp_lightning.choices import ChoiceOptions, choice_cost, choice_space, hsdp_choice, is_known, parse
+from osdp_lightning.choices import zero3_reshard_choice as zero3_reshard
+from osdp_lightning.choices.groups import hsdp_kwargs, zero3_reshard_kwargs
+from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.cost import CostContext, all_gather_s, all_reduce_s, build_choice_table
 from osdp_lightning.plan import make_plan
 from osdp_lightning.profile import ModelProfile, UnitProfile
 
@@ -38,24 +27,33 @@ TWO_NODES = ClusterSpec(world_size=16, memory_budget_bytes=2**34, collective_lat
                         inter_node_latency_s=1e-4)
 
 
+def cost_of(choice: str, cluster: ClusterSpec = TWO_NODES):  # noqa: ANN201
+    return choice_cost(UNIT, choice, CostContext(PROFILE, cluster))
+
+
+def group_choices(cluster: ClusterSpec, sizes: tuple[int, ...] | None = None) -> list[str]:
+    space = choice_space(cluster, ChoiceOptions(group_sizes=sizes, activation_checkpointing="never"))
+    return [str(c) for c in space if c.kind == "hsdp" or c.params]
+
+
 def test_choice_names_round_trip_and_stay_apart() -> None:
-    assert hsdp_choice(8) == "hsdp(g=8)" and parse_hsdp_choice("hsdp(g=8)") == 8
-    assert zero3_reshard_choice(4) == "zero3(reshard=4)" and parse_zero3_reshard_choice("zero3(reshard=4)") == 4
+    assert str(hsdp_choice(8)) == "hsdp(g=8)" and parse("hsdp(g=8)")["g"] == 8
+    assert str(zero3_reshard(4)) == "zero3(reshard=4)" and parse("zero3(reshard=4)")["reshard"] == 4
     for name in ("hsdp(g=8)", "zero3(reshard=4)"):
-        assert is_known_choice(name) and parse_split_choice(name) is None
-    assert parse_hsdp_choice("zero3(reshard=4)") is None and parse_zero3_reshard_choice("hsdp(g=8)") is None
-    assert not is_known_choice("hsdp(8)") and not is_known_choice("zero3(reshard=)")
+        assert is_known(name) and parse(name).kind != "split" and str(parse(name)) == name
+    assert parse("zero3(reshard=4)") != parse("zero3") and parse("zero3(reshard=4)").kind == "zero3"
+    assert not is_known("hsdp(8)") and not is_known("zero3(reshard=)") and not is_known("hsdp(k=8)")
 
 
 def test_group_choices_default_to_one_node_and_only_on_several_nodes() -> None:
-    assert group_choices_for(TWO_NODES) == ("hsdp(g=8)", "zero3(reshard=8)")
+    assert group_choices(TWO_NODES) == ["hsdp(g=8)", "zero3(reshard=8)"]
     one_node = ClusterSpec(world_size=8, memory_budget_bytes=1, collective_latency_s=0, bandwidth_bytes_per_s=1)
-    assert group_choices_for(one_node) == ()
-    assert group_choices_for(TWO_NODES, (2, 3, 16, 1)) == ("hsdp(g=2)", "zero3(reshard=2)")
+    assert group_choices(one_node) == []
+    assert group_choices(TWO_NODES, (2, 3, 16, 1)) == ["hsdp(g=2)", "zero3(reshard=2)"]
 
 
 def test_hsdp_shards_in_the_node_and_all_reduces_across_nodes() -> None:
-    cost = hsdp_choice_cost(UNIT, PROFILE, TWO_NODES, 8)
+    cost = cost_of("hsdp(g=8)")
     assert cost.state_bytes == P * (4 + 4 + 8) // 8
     assert (cost.held_bytes, cost.transient_bytes, cost.prefetch) == (0, P * 8, P * 4)
     in_node = 2 * all_gather_s(4 * P, 8, TWO_NODES) + all_gather_s(4 * P, 8, TWO_NODES)
@@ -68,16 +66,16 @@ def test_hsdp_shards_in_the_node_and_all_reduces_across_nodes() -> None:
 
 
 def test_zero3_and_replicate_across_nodes_pay_the_inter_node_link() -> None:
-    zero3 = base_choice_cost(UNIT, PROFILE, TWO_NODES, "zero3")
+    zero3 = cost_of("zero3")
     assert zero3.comm_s == pytest.approx(3 * (1e-4 + 4 * P * 15 / 16 / 1e10))
-    replicate = base_choice_cost(UNIT, PROFILE, TWO_NODES, "replicate")
+    replicate = cost_of("replicate")
     assert replicate.comm_s == pytest.approx(1e-4 + 2 * 4 * P * 15 / 16 / 1e10)
-    assert hsdp_choice_cost(UNIT, PROFILE, TWO_NODES, 8).comm_s < zero3.comm_s
+    assert cost_of("hsdp(g=8)").comm_s < zero3.comm_s
 
 
 def test_zero3_reshard_keeps_the_backward_all_gather_in_the_node() -> None:
-    cost = zero3_reshard_choice_cost(UNIT, PROFILE, TWO_NODES, 8)
-    zero3 = base_choice_cost(UNIT, PROFILE, TWO_NODES, "zero3")
+    cost = cost_of("zero3(reshard=8)")
+    zero3 = cost_of("zero3")
     assert cost.state_bytes == zero3.state_bytes and cost.held_bytes == P * 4 // 8
     expected = (all_gather_s(4 * P, 16, TWO_NODES) + all_gather_s(4 * P, 8, TWO_NODES)
                 + all_gather_s(4 * P, 16, TWO_NODES))
@@ -89,11 +87,11 @@ def test_zero3_reshard_keeps_the_backward_all_gather_in_the_node() -> None:
 @pytest.mark.parametrize("group", [1, 3, 16])
 def test_bad_group_sizes_are_refused(group: int) -> None:
     with pytest.raises(ValueError, match="group size"):
-        hsdp_choice_cost(UNIT, PROFILE, TWO_NODES, group)
+        cost_of(f"hsdp(g={group})")
 
 
 def test_plans_can_choose_group_sharding_when_memory_is_tight() -> None:
-    choices = ("replicate", "zero3", *group_choices_for(TWO_NODES))
+    choices = ("replicate", "zero3", *group_choices(TWO_NODES))
     table = build_choice_table(PROFILE, TWO_NODES, choices=choices)
     assert [c.choice for c in table.units[0].choices] == list(choices)
     replicate_peak = make_plan(PROFILE, TWO_NODES, uniform_choice="replicate", choices=choices).predicted_peak_bytes
@@ -108,8 +106,8 @@ def test_plans_can_choose_group_sharding_when_memory_is_tight() -> None:
 def test_shard_kwargs_of_group_choices() -> None:
     shard, replicate, group_mesh = object(), object(), object()
     meshes = Meshes(shard=shard, replicate=replicate, groups={8: group_mesh})  # type: ignore[arg-type]
-    assert shard_kwargs("hsdp(g=8)", meshes) == {"mesh": group_mesh, "reshard_after_forward": True}
-    assert shard_kwargs("zero3(reshard=8)", meshes) == {"mesh": shard, "reshard_after_forward": 8}
+    assert hsdp_kwargs(parse("hsdp(g=8)"), meshes) == {"mesh": group_mesh, "reshard_after_forward": True}
+    assert zero3_reshard_kwargs(parse("zero3(reshard=8)"), meshes) == {"mesh": shard, "reshard_after_forward": 8}
     no_groups = Meshes(shard=SimpleNamespace(size=lambda: 16), replicate=replicate)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"needs a \(2, 8\) mesh"):
-        shard_kwargs("hsdp(g=8)", no_groups)
+        hsdp_kwargs(parse("hsdp(g=8)"), no_groups)

@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from toy_models import MLP  # noqa: E402
 
-from osdp_lightning.cost import ClusterSpec  # noqa: E402
+from osdp_lightning.cluster import ClusterSpec  # noqa: E402
 from osdp_lightning.dryrun import dry_run_plan  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess

@@ -10,15 +10,22 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
-
-from recipes.bert import Bert, BertConfig, BertDataModule
-from recipes.gpt import GPT, GPTConfig, GPTDataModule
-from recipes.t5 import T5, T5Config, T5SpanCorruptionDataModule
-from recipes.t5.data import corrupt_spans
-from recipes.t5.model import relative_position_bucket
-from recipes.t5.module import shift_right
-from recipes.t5.tasks import TaskDataset
-from recipes.text import EOS_ID, FIRST_SENTINEL_ID, MASK_ID, PAD_ID, decode, encode, python_docs_corpus
+from osdp_lightning.recipes.bert import Bert, BertConfig, BertDataModule
+from osdp_lightning.recipes.gpt import GPT, GPTConfig, GPTDataModule
+from osdp_lightning.recipes.t5 import T5, T5Config, T5SpanCorruptionDataModule
+from osdp_lightning.recipes.t5.data import corrupt_spans
+from osdp_lightning.recipes.t5.model import relative_position_bucket
+from osdp_lightning.recipes.t5.module import shift_right
+from osdp_lightning.recipes.t5.tasks import TaskDataset
+from osdp_lightning.recipes.text import (
+    EOS_ID,
+    FIRST_SENTINEL_ID,
+    MASK_ID,
+    PAD_ID,
+    decode,
+    encode,
+    python_docs_corpus,
+)
 
 
 def test_byte_tokenizer_round_trips_unicode() -> None:
@@ -153,7 +160,7 @@ class _LossRecorder(Callback):
                          ids=["gpt", "bert", "t5_span", "t5_tasks"])
 def test_loss_goes_down_on_default_data(overrides: list[str], tmp_path: Path, one_thread: None) -> None:
     """40 steps of the tiny size, one process, the recipe's default data: loss drops clearly."""
-    with initialize_config_module("conf", version_base="1.3"):
+    with initialize_config_module("osdp_lightning.conf", version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, f"output_dir={tmp_path}"])
     pl.seed_everything(0)
     recorder = _LossRecorder()

@@ -15,7 +15,6 @@ from osdp_lightning.cost import ChoiceCost, ChoiceTable, UnitCosts
 from osdp_lightning.solve import (
     FEASIBLE,
     INFEASIBLE,
-    NOT_SOLVED,
     OPTIMAL,
     TIME_LIMIT,
     knapsack_dp,
@@ -123,13 +122,16 @@ def test_peak_and_step_by_hand() -> None:
         knapsack_dp(make_table([[]]), 10)
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_ilp_matches_brute_force(seed: int) -> None:
+SOLVER_CASES = [(seed, "highs") for seed in SEEDS] + [(seed, "cbc") for seed in SEEDS[::3]]
+
+
+@pytest.mark.parametrize("seed, solver", SOLVER_CASES)
+def test_ilp_matches_brute_force(seed: int, solver: str) -> None:
     table, results = brute_force(seed)
     lowest = min(r[0] for r in results)
-    assert smallest_feasible_budget(table) == lowest
+    assert smallest_feasible_budget(table, solver=solver) == lowest
     for budget in budgets_for(seed):
-        solution = solve_choice_table(table, budget)
+        solution = solve_choice_table(table, budget, solver=solver)
         expected = best_step(results, budget)
         if expected is None:
             assert solution.status == INFEASIBLE and solution.choices == () and not solution.feasible
@@ -268,17 +270,32 @@ def hard_table(units: int = 300, choices: int = 4, seed: int = 0) -> ChoiceTable
     return make_table(rows)
 
 
-def test_time_limit_reports_status_and_gap() -> None:
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+def test_time_limit_reports_status_and_gap(solver: str) -> None:
     table = hard_table()
     budget = sum(sum(c.state_bytes for c in u.choices) // len(u.choices) for u in table.units)
-    solution = solve_choice_table(table, budget, time_limit_s=0.3)  # proving optimality takes ~20 s
-    assert solution.status in (TIME_LIMIT, NOT_SOLVED)
+    # Proving this optimum takes ~15 s (HiGHS) to ~20 s (CBC); the knapsack seed always fits.
+    solution = solve_choice_table(table, budget, time_limit_s=0.3, solver=solver)
+    assert solution.status == TIME_LIMIT and solution.feasible and solution.peak_bytes <= budget
     assert solution.solve_s < 10
-    if solution.status == TIME_LIMIT:
-        assert solution.feasible and solution.peak_bytes <= budget
-        assert solution.gap is not None and 0.0 <= solution.gap < 0.01
-    else:
-        assert solution.choices == () and not solution.feasible
+    dp = knapsack_dp(table, budget)
+    assert solution.step_s <= dp.step_s * (1 + REL_TOL)  # never worse than its seed
+    if solution.gap is not None:  # a bound was proven: no plan that fits is below it
+        assert 0.0 < solution.gap <= 1.0  # 1.0: only the trivial bound 0 so far
+        assert solution.step_s * (1 - solution.gap) <= dp.step_s * (1 + REL_TOL)
+
+
+def test_a_gap_stops_early_and_says_so() -> None:
+    table = hard_table(units=60, seed=1)
+    budget = sum(sum(c.state_bytes for c in u.choices) // len(u.choices) for u in table.units)
+    proven = solve_choice_table(table, budget)
+    loose = solve_choice_table(table, budget, gap=0.05)
+    assert proven.status == OPTIMAL and proven.gap == 0.0
+    assert loose.feasible and loose.peak_bytes <= budget and loose.step_s <= proven.step_s * 1.05
+    if loose.status != OPTIMAL:  # stopped within the gap without proving the optimum
+        assert loose.status == FEASIBLE and loose.gap is not None and 0.0 < loose.gap <= 0.05 + 1e-9
+    with pytest.raises(ValueError, match="gap"):
+        solve_choice_table(table, budget, gap=1.5)
 
 
 def realistic_table(units: int, seed: int = 0) -> ChoiceTable:
@@ -309,10 +326,35 @@ def test_thousand_units_solve_to_a_proven_optimum() -> None:
     assert dp.feasible and solution.step_s <= dp.step_s * (1 + 1e-12)
 
 
-def test_msg_prints_the_cbc_log(capsys: pytest.CaptureFixture[str]) -> None:
-    table = make_table([[("a", 1, 0, 0, 1.0, 0.0)]])
-    assert solve_choice_table(table, 1, msg=True).status == OPTIMAL
-    assert "Cbc" in capsys.readouterr().out
+@pytest.mark.parametrize("solver, banner", [("cbc", "Cbc"), ("highs", "HiGHS")])
+def test_msg_prints_the_solver_log(solver: str, banner: str, capfd: pytest.CaptureFixture[str]) -> None:
+    table = make_table([[("a", 1, 0, 0, 1.0, 0.0), ("b", 0, 0, 0, 2.0, 0.0)]])
+    assert solve_choice_table(table, 0, msg=True, solver=solver).choices == ("b",)
+    assert banner in capfd.readouterr().out
+
+
+def test_the_fastest_plan_needs_no_solver(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(solve, "run", None)  # any solver run would fail
+    table, results = brute_force(3)
+    widest = max(r[0] for r in results)
+    solution = solve_choice_table(table, widest)
+    assert solution.status == OPTIMAL and solution.gap == 0.0
+    assert solution.step_s == pytest.approx(min(r[1] for r in results), rel=REL_TOL)
+    assert solve.step_lower_bound(table) == pytest.approx(solution.step_s, rel=REL_TOL)
+    assert solve.peak_lower_bound(table) <= min(r[0] for r in results)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:20])
+def test_next_best_solutions_are_the_k_best(seed: int) -> None:
+    table, results = brute_force(seed)
+    budget = budgets_for(seed)[3]
+    fitting = sorted((step, tuple(c.choice for c in combo)) for peak, step, combo in results if peak <= budget)
+    found = solve.next_best_solutions(table, budget, 4)
+    assert len(found) == min(4, len(fitting))
+    assert len({s.choices for s in found}) == len(found)  # distinct
+    for solution, (step, _) in zip(found, fitting, strict=False):
+        assert solution.peak_bytes <= budget and solution.status == OPTIMAL
+        assert solution.step_s == pytest.approx(step, rel=REL_TOL)
 
 
 def test_prefetch_bytes_enter_the_pair_term_in_both_orders() -> None:

@@ -10,7 +10,9 @@ import torch
 from conftest import run_script
 from torch import nn
 
-from osdp_lightning.cost import ClusterSpec, base_choice_cost, split_choice, split_choice_cost
+from osdp_lightning.choices import choice_cost, split_choice
+from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.cost import CostContext
 from osdp_lightning.profile import ModelProfile, UnitProfile
 from osdp_lightning.split import (
     SplitLinear,
@@ -168,38 +170,44 @@ def cost_inputs() -> tuple[UnitProfile, ModelProfile, ClusterSpec]:
     return unit, profile, cluster
 
 
+def split_cost(unit: UnitProfile, profile: ModelProfile, cluster: ClusterSpec, k: int, sharded: int,
+               batch_scale: float = 1.0):  # noqa: ANN201
+    return choice_cost(unit, split_choice(k, sharded), CostContext(profile, cluster, batch_scale))
+
+
 def test_split_choice_cost_hand_computed() -> None:
     unit, profile, cluster = cost_inputs()
-    cost = split_choice_cost(unit, profile, cluster, 4, 3, batch_scale=2.0)
+    cost = split_cost(unit, profile, cluster, 4, 3, batch_scale=2.0)
     # A slice: 64 x 32 = 2048 parameters: 8 KiB gathered, 8 KiB of gradient, 32 KiB of state.
-    assert cost.choice == split_choice(4, 3) == "split(k=4, sharded=3)"
+    assert cost.choice == str(split_choice(4, 3)) == "split(k=4, sharded=3)"
     assert cost.state_bytes == 3 * 32768 // 2 + 32768 + 64 * 16
-    assert cost.held_bytes == 8192  # the replicated slice's unsharded copy
+    assert cost.held_bytes == 0  # the replicated slice is a plain tensor on DDP's reducer: no copy
     # Two sharded slices in flight, one reduce-scatter output shard, the bias gradient.
     assert cost.transient_bytes == 2 * (8192 + 8192) + 4096 + 256
     all_gather = 1e-3 + 8192 * 0.5 / 1e6
     all_reduce = 1e-3 + 2 * 8192 * 0.5 / 1e6
-    assert cost.comm_s == pytest.approx(3 * 3 * all_gather + all_reduce + 256 / 1e6)
+    # the replicated slice's gradient rides in DDP's buckets (bytes, no launch of its own)
+    assert cost.comm_s == pytest.approx(3 * 3 * all_gather + all_reduce - 1e-3 + 256 / 1e6)
     assert cost.compute_s == pytest.approx((0.01 + 0.02 + 0.005) * 2.0)
 
 
 def test_split_transient_falls_with_k() -> None:
     unit, profile, cluster = cost_inputs()
-    zero3 = base_choice_cost(unit, profile, cluster, "zero3").transient_bytes
+    zero3 = choice_cost(unit, "zero3", CostContext(profile, cluster)).transient_bytes
     weight_zero3 = 2 * 64 * 128 * 4  # gathered weight and its gradient
     transients = []
     for k in (4, 8):
-        transients.append(split_choice_cost(unit, profile, cluster, k, k).transient_bytes)
+        transients.append(split_cost(unit, profile, cluster, k, k).transient_bytes)
         # Two slices in flight (FSDP2 backward prefetch) plus a reduce-scatter output shard:
         # about 2/k of zero3's gathered weight and gradient.
         assert transients[-1] == weight_zero3 * (2 + 0.25) / k + 256
     assert zero3 > transients[0] > transients[1]
-    one = split_choice_cost(unit, profile, cluster, 4, 1)
+    one = split_cost(unit, profile, cluster, 4, 1)
     assert one.transient_bytes == 8192 + 2 * 8192 + 4096 + 256  # sharded slice next to a replicated one
     with pytest.raises(ValueError, match="no measured split overhead"):
-        split_choice_cost(unit, profile, cluster, 2, 1)
+        split_cost(unit, profile, cluster, 2, 1)
     with pytest.raises(ValueError, match="does not split"):
-        split_choice_cost(unit, profile, cluster, 3, 1)
+        split_cost(unit, profile, cluster, 3, 1)
 
 
 @pytest.mark.multiprocess

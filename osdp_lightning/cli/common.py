@@ -11,11 +11,10 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from osdp_lightning.budget import PLAN_HEADROOM_FRACTION
-from osdp_lightning.cluster import cluster_spec_from_config
-from osdp_lightning.cost import ClusterSpec
+from osdp_lightning.budget import PLAN_HEADROOM_FRACTION, device_memory_bytes, parse_memory_budget
+from osdp_lightning.cluster import ClusterSpec, cluster_spec_from_config
 
-CONFIG_PATH = "pkg://conf"
+CONFIG_PATH = "pkg://osdp_lightning.conf"
 """The configs ship as the ``conf`` package, so installed console scripts find them anywhere."""
 
 
@@ -27,15 +26,25 @@ def cluster_world_size(cluster: DictConfig) -> int:
     return int(cluster.devices_per_node) * int(cluster.nodes)
 
 
-def cluster_spec(cluster: DictConfig) -> ClusterSpec:
+def cluster_spec(cluster: DictConfig, budget_bytes: int | None = None, live: bool = False) -> ClusterSpec:
     """The cost model's view of a ``conf/cluster`` entry (see :mod:`osdp_lightning.cluster`).
 
-    NOTE: plans keep at least the strategy's headroom free (5% of the budget), so that a plan
+    ``budget_bytes`` overrides the config's budget (a resolved ``"95%ddp"``). With ``live`` (the
+    cluster is this machine), ``"70%"`` is a share of this machine's device as the strategy takes
+    it; otherwise of the config's ``memory_per_device``.
+
+    NOTE: plans keep at least the strategy's default headroom free (PLAN_HEADROOM_FRACTION), so that a plan
     made here is the plan ``osdp-train`` solves for the same budget.
     """
-    spec = cluster_spec_from_config(OmegaConf.to_container(cluster, resolve=True))
-    headroom = max(spec.headroom_bytes, int(spec.memory_budget_bytes * PLAN_HEADROOM_FRACTION))
-    return dataclasses.replace(spec, headroom_bytes=headroom)
+    config = OmegaConf.to_container(cluster, resolve=True)
+    budget = parse_memory_budget(config.get("memory_budget") or config.get("memory_per_device") or 0)
+    if budget_bytes is None and live and budget.share is not None and not budget.needs_profile:
+        device = torch.device("cuda" if config.get("accelerator") == "gpu" else "cpu")
+        budget_bytes = budget.of_device(device_memory_bytes(device, int(config["devices_per_node"])))
+    spec = cluster_spec_from_config(config, memory_budget=budget_bytes)
+    # The config's headroom bytes or the strategy's default share, whichever is larger (as a rule,
+    # not a figure: the smallest budget that fits is found under the same rule).
+    return dataclasses.replace(spec, headroom_fraction=max(spec.headroom_fraction, PLAN_HEADROOM_FRACTION))
 
 
 def check_cluster_runs_here(cluster: DictConfig, what: str) -> None:

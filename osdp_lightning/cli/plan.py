@@ -16,12 +16,12 @@ from typing import Any
 
 import hydra
 import lightning.pytorch as pl
-import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from osdp_lightning import dryrun
-from osdp_lightning.budget import format_bytes
+from osdp_lightning.budget import format_bytes, parse_memory_budget
+from osdp_lightning.choices import BASELINES, ChoiceOptions, choice_space, resolve
 from osdp_lightning.cli.common import (
     CONFIG_PATH,
     check_cluster_runs_here,
@@ -30,30 +30,18 @@ from osdp_lightning.cli.common import (
     output_dir,
     write_json,
 )
-from osdp_lightning.cost import BASE_CHOICES, ClusterSpec, group_choices_for, split_choices_for
-from osdp_lightning.plan import InfeasibleBudgetError, Plan, make_plan
-from osdp_lightning.profile import ModelProfile, measure_split_overheads, profile_lightning_module
+from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.plan import InfeasibleBudgetError, Plan, baseline_peak_bytes, make_plan
+from osdp_lightning.plot import try_plot_plan
+from osdp_lightning.profile import (
+    ModelProfile,
+    configured_optimizer,
+    measure_split_overheads,
+    profile_lightning_module,
+)
 from osdp_lightning.strategy import AUTO_BATCH_FACTORS
 
-BASELINES = {"ddp": "replicate", "zero2": "zero2", "zero3": "zero3"}
 UNIT_OPTIONS = ("unit_module_types", "unit_name_patterns", "min_unit_params")
-
-
-def _optimizer_of(module: pl.LightningModule) -> torch.optim.Optimizer | None:
-    """The optimizer the module configures (built only to learn its state bytes per parameter)."""
-    configured = module.configure_optimizers()
-    if isinstance(configured, dict):
-        return configured["optimizer"]
-    if isinstance(configured, list | tuple):
-        return _first_optimizer(configured)
-    return configured
-
-
-def _first_optimizer(items: list | tuple) -> torch.optim.Optimizer | None:
-    first = items[0] if items else None
-    if isinstance(first, list | tuple):
-        return _first_optimizer(first)
-    return first["optimizer"] if isinstance(first, dict) else first
 
 
 def profile_recipe(cfg: DictConfig) -> tuple[ModelProfile, int]:
@@ -68,7 +56,7 @@ def profile_recipe(cfg: DictConfig) -> tuple[ModelProfile, int]:
     # NOTE: the same unit options as the strategy (e.g. +strategy.unit_name_patterns=[...]).
     strategy = OmegaConf.to_container(cfg.strategy, resolve=True)
     unit_options = {key: strategy[key] for key in UNIT_OPTIONS if strategy.get(key) is not None}
-    profile = profile_lightning_module(module, batch, optimizer=_optimizer_of(module),
+    profile = profile_lightning_module(module, batch, optimizer=configured_optimizer(module),
                                        repeats=int(cfg.strategy.profile_repeats), **unit_options)
     split_factors = tuple(cfg.strategy.split_factors)
     if split_factors:
@@ -87,15 +75,17 @@ def _batch_candidates(profile: ModelProfile, micro_batch_size: Any) -> tuple[int
 def plan_all(profile: ModelProfile, cluster: ClusterSpec, cfg: DictConfig) -> dict[str, Plan | str]:
     """The osdp plan and the three baselines; the text of the error where osdp fits nothing."""
     candidates = _batch_candidates(profile, cfg.strategy.micro_batch_size)
-    choices = BASE_CHOICES + split_choices_for(tuple(cfg.strategy.split_factors)) + group_choices_for(cluster)
+    choices = choice_space(cluster, ChoiceOptions(
+        split_factors=tuple(cfg.strategy.split_factors),
+        activation_checkpointing=str(cfg.strategy.get("activation_checkpointing", "auto"))))
     plans: dict[str, Plan | str] = {}
     try:
         plans["osdp"] = make_plan(profile, cluster, micro_batch_sizes=candidates, choices=choices,
                                    time_limit_s=cfg.strategy.solver_time_limit_s)
     except InfeasibleBudgetError as err:
         plans["osdp"] = str(err)
-    for name, choice in BASELINES.items():
-        plans[name] = _best_uniform_plan(profile, cluster, choice, candidates or (profile.micro_batch_size,))
+    for name in BASELINES:
+        plans[name] = _best_uniform_plan(profile, cluster, str(resolve(name)), candidates or (profile.micro_batch_size,))
     return plans
 
 
@@ -109,7 +99,7 @@ def _best_uniform_plan(profile: ModelProfile, cluster: ClusterSpec, choice: str,
 
 def usable_bytes(cluster: ClusterSpec) -> int:
     """What a plan may use: the budget less the headroom it keeps free."""
-    return cluster.memory_budget_bytes - cluster.headroom_bytes
+    return cluster.usable_bytes
 
 
 def format_comparison(plans: dict[str, Plan | str], tokens_per_sample: int, usable: int) -> str:
@@ -155,11 +145,18 @@ def main(cfg: DictConfig) -> None:
         check_cluster_runs_here(cfg.cluster, "osdp-plan")
     pl.seed_everything(cfg.seed, verbose=False)
     names = choice_names()
-    cluster = cluster_spec(cfg.cluster)
+    cluster = cluster_spec(cfg.cluster, live=not dry)
+    budget = parse_memory_budget(cfg.cluster.get("memory_budget") or cfg.cluster.memory_per_device)
     how = "DRY RUN: estimated from the cluster description, no GPU used" if dry else "profiling on this machine"
+    shown = budget.text if budget.needs_profile else format_bytes(cluster.memory_budget_bytes)
     print(f"== osdp-plan: {names['model']} on {names['cluster']} ({cluster.world_size} ranks, budget "
-          f"{format_bytes(cluster.memory_budget_bytes)} per rank); {how} ==", flush=True)
+          f"{shown} per rank); {how} ==", flush=True)
     profile, tokens_per_sample = dryrun.estimate_recipe_profile(cfg, cluster) if dry else profile_recipe(cfg)
+    if budget.needs_profile:  # e.g. "95%ddp": a share of that baseline's predicted peak
+        baseline_peak = baseline_peak_bytes(profile, cluster, budget.baseline)
+        cluster = cluster_spec(cfg.cluster, budget_bytes=budget.of_peak(baseline_peak))
+        print(f"memory budget {budget.text} = {format_bytes(cluster.memory_budget_bytes)} per rank (the uniform "
+              f"{budget.baseline} plan's predicted peak: {format_bytes(baseline_peak)})")
     plans = plan_all(profile, cluster, cfg)
     if dry:
         plans = {name: dryrun.mark_dry_run(plan) if isinstance(plan, Plan) else plan for name, plan in plans.items()}
@@ -172,6 +169,8 @@ def main(cfg: DictConfig) -> None:
     for name, plan in plans.items():
         if isinstance(plan, Plan):
             plan.save(out / ("plan.json" if name == "osdp" else f"plan_{name}.json"))
+    picture = try_plot_plan(osdp, out / "plan.png", title=f"osdp-plan: {names['model']} on {names['cluster']}, "
+                            f"budget {budget.text}") if isinstance(osdp, Plan) else "plan picture: no plan"
     table = format_comparison(plans, tokens_per_sample, usable_bytes(cluster))
     (out / "comparison.md").write_text(table + "\n")
     write_json(out / "comparison.json", {**names, "world_size": cluster.world_size,
@@ -179,9 +178,10 @@ def main(cfg: DictConfig) -> None:
                                          "usable_bytes": usable_bytes(cluster),
                                          "rows": comparison_rows(plans, tokens_per_sample, usable_bytes(cluster))})
     print(f"\npredicted per optimizer step ({profile.param_count:,} parameters, {tokens_per_sample} tokens/sample;"
-          f" fits: within the budget less {format_bytes(cluster.headroom_bytes)} headroom):")
+          f" fits: within the budget less {format_bytes(cluster.headroom_for(cluster.memory_budget_bytes))} headroom):")
     print(table)
-    print(f"outputs: {out} (plan.json, plan_<baseline>.json, comparison.md, comparison.json)")
+    print(picture)
+    print(f"outputs: {out} (plan.json, plan.png, plan_<baseline>.json, comparison.md, comparison.json)")
 
 
 if __name__ == "__main__":

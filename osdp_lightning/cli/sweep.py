@@ -24,14 +24,15 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from osdp_lightning.budget import format_bytes, parse_bytes
+from osdp_lightning.budget import absolute_budget_bytes, format_bytes
 from osdp_lightning.cli.common import choice_names
 
 FAILED_JOBS: list[str] = []
 """Jobs of this process's sweep that failed (``osdp-train`` exits non-zero when any did)."""
 
 COLUMNS = ("job", "model", "strategy", "cluster", "memory_budget", "tokens_per_s", "peak_bytes",
-           "memory_budget_bytes", "predicted_peak_bytes", "final_loss", "steps", "status", "overrides")
+           "memory_budget_bytes", "predicted_peak_bytes", "peak_error", "step_s", "predicted_step_s", "step_error",
+           "final_loss", "steps", "status", "overrides")
 # Hydra overrides that describe the sweep itself, not the job: never passed on to a job.
 _SWEEP_ONLY = ("hydra.mode", "hydra.sweep", "hydra.run", "hydra.launcher", "hydra.sweeper", "hydra.job.num")
 
@@ -67,7 +68,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     completed = subprocess.run(job_command(job_dir), check=False)
     row: dict[str, Any] = {"job": hydra_cfg.job.num, **choice_names(),
                            "memory_budget": str(cfg.cluster.memory_budget),
-                           "memory_budget_bytes": parse_bytes(cfg.cluster.memory_budget), "overrides": overrides}
+                           "memory_budget_bytes": absolute_budget_bytes(cfg.cluster.memory_budget), "overrides": overrides}
     summary_path = job_dir / "summary.json"
     if completed.returncode == 0 and summary_path.exists():
         return {**row, **json.loads(summary_path.read_text()), "job": row["job"], "status": "ok"}
@@ -83,8 +84,10 @@ def _cell(row: dict[str, Any], column: str) -> str:
         return format_bytes(value)
     if column == "tokens_per_s":
         return f"{value:,.0f}"
-    if column == "final_loss":
+    if column in ("final_loss", "step_s", "predicted_step_s"):
         return f"{value:.4f}"
+    if column.endswith("_error"):
+        return f"{value:+.1%}"
     return str(value)
 
 

@@ -26,7 +26,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 import osdp_lightning  # noqa: F401  (registers strategy="osdp")
-from osdp_lightning.budget import parse_bytes
+from osdp_lightning.budget import absolute_budget_bytes
 from osdp_lightning.callbacks import TrainingSummary
 from osdp_lightning.cli import sweep
 from osdp_lightning.cli.common import (
@@ -37,6 +37,8 @@ from osdp_lightning.cli.common import (
     output_dir,
     write_json,
 )
+from osdp_lightning.plot import try_plot_plan
+from osdp_lightning.report import format_comparison, prediction_errors
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -61,16 +63,22 @@ def report(trainer: pl.Trainer, summary: TrainingSummary, cfg: DictConfig) -> di
     out = output_dir()
     plan = trainer.strategy.plan
     plan.save(out / "plan.json")
-    row = {**choice_names(), "memory_budget": str(cfg.cluster.memory_budget),
-           **summary.summary, "output_dir": str(out)}
-    row["memory_budget_bytes"] = row.get("memory_budget_bytes") or parse_bytes(cfg.cluster.memory_budget)
-    write_json(out / "summary.json", row)
     names = choice_names()
-    print(f"\n== osdp-train: {names['model']} on {names['cluster']}, strategy {names['strategy']} ==")
+    picture = try_plot_plan(plan, out / "plan.png", title=f"osdp-train: {names['model']} on {names['cluster']}, "
+                            f"budget {cfg.cluster.memory_budget}")
+    row = {**names, "memory_budget": str(cfg.cluster.memory_budget),
+           **summary.summary, **prediction_errors(summary.summary), "output_dir": str(out)}
+    row["memory_budget_bytes"] = row.get("memory_budget_bytes") or absolute_budget_bytes(cfg.cluster.memory_budget)
+    write_json(out / "summary.json", row)
+    print(f"\n== osdp-train: {names['model']} on {names['cluster']}, strategy {names['strategy']}, "
+          f"memory budget {cfg.cluster.memory_budget} ==")
     print(plan.format_table())
     print()
+    print(format_comparison(plan))
+    print()
     print(summary.format())
-    print(f"outputs: {out} (csv/metrics.csv, plan.json, summary.json)")
+    print(picture)
+    print(f"outputs: {out} (csv/metrics.csv, plan.json, plan.png, summary.json)")
     return row
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-from recipes.text import MASK_ID, TextWindowDataModule
+from osdp_lightning.recipes.text import MASK_ID, TextWindowDataModule
 
 
 class BertDataModule(TextWindowDataModule):

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from recipes.bert.model import Bert
-from recipes.task import LanguageModelTask
+from osdp_lightning.recipes.bert.model import Bert
+from osdp_lightning.recipes.task import LanguageModelTask
 
 
 class BertLitModule(LanguageModelTask):

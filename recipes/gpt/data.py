@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from recipes.text import TextWindowDataModule
+from osdp_lightning.recipes.text import TextWindowDataModule
 
 
 class GPTDataModule(TextWindowDataModule):

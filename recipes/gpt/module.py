@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from recipes.gpt.model import GPT
-from recipes.task import LanguageModelTask
+from osdp_lightning.recipes.gpt.model import GPT
+from osdp_lightning.recipes.task import LanguageModelTask
 
 
 class GPTLitModule(LanguageModelTask):

@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-from recipes.text import EOS_ID, FIRST_SENTINEL_ID, NUM_SENTINELS, TextWindowDataModule
+from osdp_lightning.recipes.text import EOS_ID, FIRST_SENTINEL_ID, NUM_SENTINELS, TextWindowDataModule
 
 
 def random_segment_lengths(total: int, parts: int) -> list[int]:

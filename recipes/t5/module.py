@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from recipes.t5.model import T5
-from recipes.task import LanguageModelTask
-from recipes.text import PAD_ID
+from osdp_lightning.recipes.t5.model import T5
+from osdp_lightning.recipes.task import LanguageModelTask
+from osdp_lightning.recipes.text import PAD_ID
 
 
 def shift_right(labels: torch.Tensor) -> torch.Tensor:

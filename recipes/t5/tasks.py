@@ -18,9 +18,8 @@ from collections.abc import Callable, Sequence
 
 import lightning.pytorch as pl
 import torch
+from osdp_lightning.recipes.text import EOS_ID, PAD_ID, VOCAB_SIZE, encode
 from torch.utils.data import DataLoader, Dataset
-
-from recipes.text import EOS_ID, PAD_ID, VOCAB_SIZE, encode
 
 
 def _copy(rng: random.Random, n: int) -> tuple[str, str]:

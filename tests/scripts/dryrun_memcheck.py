@@ -22,21 +22,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from osdp_lightning.apply import apply_plan, build_meshes
 from osdp_lightning.budget import format_bytes
-from osdp_lightning.cost import ClusterSpec, hsdp_choice, zero3_reshard_choice
-from osdp_lightning.dryrun import (
-    build_meta_module,
-    dry_run_plan,
-    estimate_profile,
-    fake_batch,
-    fake_mode,
-    step_runner,
-)
+from osdp_lightning.choices import hsdp_choice, zero3_reshard_choice
+from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.dryrun import dry_run_plan, estimate_profile
+from osdp_lightning.fakestep import build_meta_module, fake_batch, fake_mode, step_runner
 from osdp_lightning.plan import Plan
-from osdp_lightning.profile import ModelProfile, _logging_disabled
+from osdp_lightning.profile import ModelProfile, _logging_disabled, configured_optimizer
 
 RANKS_PER_NODE = 8
 PEAK_FLOPS = 3.12e14
@@ -72,9 +69,8 @@ def tracked_peak(model, batch: object, plan: Plan, precision: str = "32-true") -
             root.run_loss = step_runner(module, inputs, precision)
             with _logging_disabled(module):
                 _train_step(root, optimizer)  # NOTE: the optimizer state exists from the second step on
-                tracker = FSDPMemTracker(root, optimizer)
-                tracker.track_inputs(tuple(t for t in torch.utils._pytree.tree_leaves(inputs)
-                                           if isinstance(t, torch.Tensor)))
+                tracker = _tracker(root, optimizer, tuple(t for t in torch.utils._pytree.tree_leaves(inputs)
+                                                          if isinstance(t, torch.Tensor)))
                 with tracker:
                     _train_step(root, optimizer)
             peak = tracker.get_tracker_snapshot("peak")
@@ -85,6 +81,18 @@ def tracked_peak(model, batch: object, plan: Plan, precision: str = "32-true") -
             "categories": {str(getattr(k, "value", k)): v for k, v in categories.items() if v and k != "Total"}}
 
 
+def _tracker(root: nn.Module, optimizer: torch.optim.Optimizer, inputs: tuple[torch.Tensor, ...]) -> MemTracker:
+    """FSDPMemTracker for an FSDP2 root; a plan that shards nothing has none (replicated units are
+    plain tensors on DDP's reducer): MemTracker, as the strategy's TrainingSummary does."""
+    if isinstance(root, FSDPModule):
+        tracker = FSDPMemTracker(root, optimizer)
+        tracker.track_inputs(inputs)
+        return tracker
+    tracker = MemTracker()
+    tracker.track_external(root, optimizer, *inputs)
+    return tracker
+
+
 def _train_step(root: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     root().backward()
     optimizer.step()
@@ -92,15 +100,12 @@ def _train_step(root: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 
 def _optimizer(module: nn.Module) -> torch.optim.Optimizer:
-    from osdp_lightning.dryrun import _first_optimizer
-
-    configured = module.configure_optimizers() if hasattr(module, "configure_optimizers") else None
-    return _first_optimizer(configured) or torch.optim.Adam(module.parameters())
+    return configured_optimizer(module) or torch.optim.Adam(module.parameters())
 
 
 def toy_gpt_inputs() -> tuple:
     """A 4-layer GPT (3.4M parameters) and a meta batch of 4 x 128 tokens."""
-    from recipes.gpt import GPT, GPTConfig, GPTLitModule
+    from osdp_lightning.recipes.gpt import GPT, GPTConfig, GPTLitModule
 
     config = GPTConfig(vocab_size=512, block_size=128, n_layer=4, n_head=4, n_embd=256)
     shape = (4, config.block_size)
@@ -129,10 +134,14 @@ def plans_for(model, batch, profile: ModelProfile, world_size: int) -> dict[str,
     roomy = cluster_for(world_size, 2**50)
     uniform = ["replicate", "zero2", "zero3"]
     if world_size > RANKS_PER_NODE:
-        uniform += [hsdp_choice(RANKS_PER_NODE), zero3_reshard_choice(RANKS_PER_NODE)]
+        uniform += [str(hsdp_choice(RANKS_PER_NODE)), str(zero3_reshard_choice(RANKS_PER_NODE))]
     plans = {c: dry_run_plan(model, batch, roomy, profile=profile, uniform_choice=c) for c in uniform}
     budget = (plans["zero3"].predicted_peak_bytes + plans["replicate"].predicted_peak_bytes) // 2
     plans["solved"] = dry_run_plan(model, batch, cluster_for(world_size, budget), profile=profile)
+    # Checkpointing: every block recomputed, and a budget below all-zero3 that only checkpoints fit.
+    plans["zero3+ckpt"] = dry_run_plan(model, batch, roomy, profile=profile, uniform_choice="zero3+ckpt")
+    budget = (plans["zero3"].predicted_peak_bytes + plans["zero3+ckpt"].predicted_peak_bytes) // 2
+    plans["solved, ckpt"] = dry_run_plan(model, batch, cluster_for(world_size, budget), profile=profile)
     return plans
 
 

@@ -29,15 +29,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from toy_models import MODELS  # noqa: E402
 
 from osdp_lightning import OSDPStrategy  # noqa: E402
+from osdp_lightning.choices import parse  # noqa: E402
 from osdp_lightning.cluster import environment_topology, live_cluster_spec, measure_node_collectives  # noqa: E402
-from osdp_lightning.cost import parse_hsdp_choice  # noqa: E402
 
 
 def hsdp_shard_groups(module: torch.nn.Module, plan_units: list[dict]) -> dict[str, list[int]]:
     """For each hsdp unit, the global ranks of this rank's shard group (read from its DTensor mesh)."""
     groups = {}
     for unit in plan_units:
-        if parse_hsdp_choice(unit["choice"]) is None:
+        if parse(unit["choice"]).kind != "hsdp":
             continue
         param = next(module.get_submodule(unit["module_names"][0]).parameters())
         assert isinstance(param, DTensor), f"{unit['name']} is not sharded"

@@ -165,15 +165,16 @@ def measure_step_bytes(meshes: tuple, k: int, sharded: int) -> int:
 
 
 def check_memory(rank: int, meshes: tuple) -> list[dict]:
-    from osdp_lightning.cost import ClusterSpec, base_choice_cost, split_choice_cost
+    from osdp_lightning.choices import choice_cost, split_choice
+    from osdp_lightning.cluster import ClusterSpec
+    from osdp_lightning.cost import CostContext
 
     cluster = ClusterSpec(world_size=WORLD, memory_budget_bytes=2**40, collective_latency_s=1e-4,
                           bandwidth_bytes_per_s=1e9)
     rows = []
     for k, sharded in ((1, 0), (2, 2), (4, 4), (8, 8), (4, 2), (4, 1)):
         unit, profile = memory_profile(max(k, 2))
-        cost = (base_choice_cost(unit, profile, cluster, "zero3") if k == 1
-                else split_choice_cost(unit, profile, cluster, k, sharded))
+        cost = choice_cost(unit, "zero3" if k == 1 else split_choice(k, sharded), CostContext(profile, cluster))
         rows.append({"k": k, "sharded": sharded, "measured_bytes": measure_step_bytes(meshes, k, sharded),
                      "predicted_bytes": cost.held_bytes + cost.transient_bytes})
     for row in rows:

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import osdp_lightning
+
 VOCAB, SEQ = 64, 16
 
 
@@ -17,8 +19,12 @@ class LossRecorder(L.LightningModule):
         super().__init__()
         self.losses: list[float] = []
         self.batch_size = 8
+        self.step_calls = {"real": 0, "profiling": 0}
 
     def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        # a user's side effect: osdp's profiling steps must be distinguishable from real ones
+        # (osdp_lightning.is_profiling() is also trainer.strategy.profiling; it works without a Trainer)
+        self.step_calls["profiling" if osdp_lightning.is_profiling() else "real"] += 1
         loss = self.compute_loss(batch)
         self.log("train_loss", loss)
         return loss
@@ -102,4 +108,25 @@ class TiedLM(LossRecorder):
         return nn.functional.cross_entropy(self.head(h).reshape(-1, VOCAB), y.reshape(-1))
 
 
-MODELS = {"mlp": MLP, "transformer": TorchTransformer, "tied_lm": TiedLM}
+class DropoutMLP(LossRecorder):
+    """Blocks of Linear, ReLU and dropout: a checkpointed block must redraw the same dropout masks."""
+
+    def __init__(self, width: int = 256, depth: int = 4, p: float = 0.2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Dropout(p))
+                                    for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+        self.width = width
+
+    def make_data(self, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(256, self.width, generator=g)
+        return x, x[:, :4].sum(dim=1, keepdim=True)
+
+    def compute_loss(self, batch) -> torch.Tensor:  # noqa: ANN001
+        x, y = batch
+        for block in self.blocks:
+            x = x + block(x)  # (B, width)
+        return nn.functional.mse_loss(self.head(x), y)
+
+
+MODELS = {"mlp": MLP, "transformer": TorchTransformer, "tied_lm": TiedLM, "dropout_mlp": DropoutMLP}

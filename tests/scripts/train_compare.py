@@ -7,6 +7,7 @@ Run as a script (Lightning's launcher re-runs this file for rank 1):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -18,7 +19,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from toy_models import MODELS  # noqa: E402
 
 import osdp_lightning  # noqa: E402,F401  (registers "osdp")
-from osdp_lightning import OSDPStrategy, TrainingSummary  # noqa: E402
+from osdp_lightning import ClusterSpec, OSDPStrategy, TrainingSummary  # noqa: E402
+from osdp_lightning.clip import total_grad_norm  # noqa: E402
+from osdp_lightning.plan import Plan, make_plan  # noqa: E402
+from osdp_lightning.profile import profile_lightning_module  # noqa: E402
+from osdp_lightning.replicate import replicate_reducer  # noqa: E402
 
 
 def main() -> None:
@@ -33,6 +38,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--choices", default=None,
+                        help="a hand-made plan, e.g. 'net.0=replicate;net.2=split(k=2, sharded=1)' (others zero3)")
+    parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
+    parser.add_argument("--clip-algorithm", default=None, help="norm | value")
+    parser.add_argument("--accumulate", default="1", help="Trainer(accumulate_grad_batches=...)")
+    parser.add_argument("--keep-process-group", action="store_true",
+                        help="end without destroy_process_group(), as many user scripts do")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -41,17 +53,26 @@ def main() -> None:
     if args.strategy == "osdp":
         factors = tuple(int(k) for k in args.split_factors.split(",") if k)
         micro = args.micro_batch if args.micro_batch in (None, "auto") else int(args.micro_batch)
-        strategy = OSDPStrategy(memory_budget=args.budget, uniform_choice=args.uniform, plan=args.plan,
+        plan = _hand_made_plan(model, args.devices, args.choices) if args.choices else args.plan
+        strategy = OSDPStrategy(memory_budget=args.budget, uniform_choice=args.uniform, plan=plan,
                                 split_factors=factors, micro_batch_size=micro)
     else:
         strategy = args.strategy
     summary = TrainingSummary()
+    norms = _GradNormRecorder()
+    counter = _CollectiveCounter()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps,
                         precision=args.precision, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[summary],
-                        deterministic=True)
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[summary, norms, counter],
+                        deterministic=True, gradient_clip_val=args.clip,
+                        gradient_clip_algorithm=args.clip_algorithm,
+                        accumulate_grad_batches=_number(args.accumulate))
     trainer.fit(model)
-    result = {"rank": trainer.global_rank, "losses": model.losses, "summary": summary.summary}
+    result = {"rank": trainer.global_rank, "losses": model.losses, "summary": summary.summary,
+              "grad_norms": norms.norms, "step_calls": model.step_calls,
+              "reductions_per_batch": counter.per_batch}
+    reducer = replicate_reducer(trainer.strategy.model) if args.strategy == "osdp" else None
+    result["replicated_params"] = len(reducer.params) if reducer is not None else 0  # on DDP's reducer
     plan = getattr(trainer.strategy, "_plan", None)
     if plan is not None:
         result["plan"] = plan.to_dict()
@@ -65,8 +86,59 @@ def main() -> None:
         if plan is not None:
             print(plan.format_table())
         print(summary.format())
-    if dist.is_initialized():
+    if dist.is_initialized() and not args.keep_process_group:
         dist.destroy_process_group()
+
+
+class _CollectiveCounter(L.Callback):
+    """Gradient reductions FSDP2 issues in each training batch (reduce-scatters and all-reduces)."""
+
+    def __init__(self) -> None:
+        self.per_batch: list[int] = []
+        self._count = 0
+        for name in ("reduce_scatter_single", "all_reduce"):
+            if hasattr(dist, name):
+                setattr(dist, name, self._counted(getattr(dist, name)))
+
+    def _counted(self, collective):  # noqa: ANN001, ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self._count += 1
+            return collective(*args, **kwargs)
+        return call
+
+    def on_train_batch_start(self, *args) -> None:  # noqa: ANN002
+        self._count = 0
+
+    def on_train_batch_end(self, *args) -> None:  # noqa: ANN002
+        self.per_batch.append(self._count)
+
+
+class _GradNormRecorder(L.Callback):
+    """The total gradient norm before clipping, at every optimizer step (any plan: osdp_lightning.clip)."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:  # noqa: ANN001
+        self.norms.append(float(total_grad_norm(pl_module.parameters())))
+
+
+def _hand_made_plan(model: L.LightningModule, world_size: int, choices: str) -> Plan:
+    """zero3 everywhere except the units named in ``choices`` ("unit=choice;..."; the root is "<root>")."""
+    wanted = dict(item.split("=", 1) for item in choices.split(";"))
+    wanted = {("" if name == "<root>" else name): choice for name, choice in wanted.items()}
+    profile = profile_lightning_module(model, next(iter(model.train_dataloader())), repeats=1)
+    cluster = ClusterSpec(world_size=world_size, memory_budget_bytes=2**40, collective_latency_s=1e-4,
+                          bandwidth_bytes_per_s=1e9)
+    plan = make_plan(profile, cluster, uniform_choice="zero3")
+    units = tuple(dataclasses.replace(u, choice=wanted.pop(u.name, u.choice)) for u in plan.units)
+    if wanted:
+        raise ValueError(f"no units named {sorted(wanted)}; units: {[u.name for u in plan.units]}")
+    return dataclasses.replace(plan, units=units, source="hand-made")
+
+
+def _number(text: str) -> int | float:
+    return float(text) if "." in text else int(text)
 
 
 if __name__ == "__main__":

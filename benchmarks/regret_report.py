@@ -1,0 +1,187 @@
+"""Tables, the regret verdicts and the scatter plot of :mod:`benchmarks.regret`.
+
+A candidate belongs to a budget when its predicted peak fits the part of the budget the strategy
+may plan (every plan drawn for a budget does), or, for a uniform baseline, when its measured peak
+fits the budget. It *fits* when its measured peak (max over rounds) is at or under the budget; the
+best candidate is the fastest that fits. Throughput ratios are taken round by round (osdp's run of
+round r against the best candidate's run of round r), then the median, so that a slow round slows
+both sides alike.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from benchmarks.regret_candidates import usable_bytes
+
+MIB = 2**20
+REGRET_TARGET, SPEARMAN_TARGET = 0.97, 0.9
+
+
+def progress_line(record: dict[str, Any], cand: Any) -> str:
+    head = f"    round {record['round']}  {record['candidate']:<22}"
+    if record["status"] != "ok":
+        return f"{head} ERROR ({(record.get('message') or '').strip()[-300:]})"
+    s = record["summary"]
+    return (f"{head} step {s['step_s']:.4f} s (predicted {cand.plan.predicted_step_s:.4f})  peak "
+            f"{s['peak_bytes'] / MIB:.2f} MiB (predicted {cand.plan.predicted_peak_bytes / MIB:.2f})  "
+            f"[{record['wall_s']:.0f} s, load {record['load_average']}]")
+
+
+def average_ranks(values: list[float]) -> list[float]:
+    """1-based ranks; ties share the mean of their ranks."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rank correlation (Pearson's of the average ranks); ``None`` below 3 points or no spread."""
+    if len(xs) < 3:
+        return None
+    rx, ry = average_ranks(xs), average_ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else None
+
+
+def measured(shape: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per candidate: its predictions and the medians of its successful runs."""
+    rows = []
+    for cand in shape["candidates"]:
+        ok = [r for r in shape["runs"] if r["candidate"] == cand["name"] and r["status"] == "ok"]
+        row = {**cand, "runs_ok": len(ok),
+               "runs_failed": sum(1 for r in shape["runs"] if r["candidate"] == cand["name"] and r["status"] != "ok")}
+        if ok:
+            row.update(step_s=statistics.median(r["summary"]["step_s"] for r in ok),
+                       tokens_per_s=statistics.median(r["summary"]["tokens_per_s"] for r in ok),
+                       peak_bytes=max(r["summary"]["peak_bytes"] for r in ok),
+                       by_round={r["round"]: r["summary"]["tokens_per_s"] for r in ok})
+        rows.append(row)
+    return rows
+
+
+def members(rows: list[dict[str, Any]], budget: int) -> list[dict[str, Any]]:
+    """The candidates of a budget (see the module docstring), those that trained."""
+    usable = usable_bytes(budget)
+    return [r for r in rows if r["runs_ok"] and (r["predicted_peak_bytes"] <= usable
+                                                 or (r["kind"] == "uniform" and r["peak_bytes"] <= budget))]
+
+
+def _paired_ratio(mine: dict[str, Any], best: dict[str, Any]) -> float:
+    rounds = sorted(set(mine["by_round"]) & set(best["by_round"]))
+    return statistics.median(mine["by_round"][r] / best["by_round"][r] for r in rounds)
+
+
+def budget_row(shape: dict[str, Any], rows: list[dict[str, Any]], label: str, budget: int) -> dict[str, Any]:
+    """Regret ratio, osdp's rank and the Spearman correlation at one budget."""
+    mine = members(rows, budget)
+    fitting = sorted((r for r in mine if r["peak_bytes"] <= budget), key=lambda r: -r["tokens_per_s"])
+    osdp = next((r for r in rows if f"osdp @ {label}" in [r["name"], *r["aliases"]]), None)
+    row: dict[str, Any] = {"shape": shape["shape"], "budget": label, "budget_bytes": budget,
+                           "candidates": len(mine), "fitting": len(fitting),
+                           "over_budget": [r["name"] for r in mine if r["peak_bytes"] > budget]}
+    row["spearman"] = spearman([r["predicted_step_s"] for r in mine], [r["step_s"] for r in mine])
+    if osdp is None or not osdp["runs_ok"] or not fitting:
+        row["status"] = "no osdp plan fits" if osdp is None else "no result"
+        return row
+    best = fitting[0]
+    row.update(status="ok", osdp=osdp["name"], osdp_tokens_per_s=osdp["tokens_per_s"],
+               osdp_fits=osdp["peak_bytes"] <= budget, best=best["name"], best_tokens_per_s=best["tokens_per_s"],
+               regret_ratio=_paired_ratio(osdp, best) if best is not osdp else 1.0,
+               osdp_rank=1 + sum(1 for r in fitting if r is not osdp and r["tokens_per_s"] > osdp["tokens_per_s"]),
+               osdp_choices=_choice_text(osdp["choices"]))
+    return row
+
+
+def _choice_text(choices: list[str]) -> str:
+    counts: dict[str, int] = {}
+    for c in choices:
+        counts[c] = counts.get(c, 0) + 1
+    return ", ".join(f"{c} x{n}" for c, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else f"{value:{spec}}"
+
+
+def regret_table(budget_rows: list[dict[str, Any]]) -> str:
+    lines = ["| shape | budget | budget MiB | candidates (fit / all) | osdp tokens/s | best candidate | best tokens/s "
+             "| regret ratio | osdp rank | Spearman (pred vs measured step) | over budget (measured) |",
+             "|" + "---|" * 11]
+    for r in budget_rows:
+        head = f"| {r['shape']} | {r['budget']} | {r['budget_bytes'] / MIB:.2f} | {r['fitting']} / {r['candidates']} "
+        over = ", ".join(r["over_budget"]) or "none"
+        if r["status"] != "ok":
+            lines.append(head + f"| {r['status']} | | | | | {_fmt(r['spearman'], '.2f')} | {over} |")
+            continue
+        osdp_note = "" if r["osdp_fits"] else " (**over budget**)"
+        lines.append(head + f"| {r['osdp_tokens_per_s']:.0f}{osdp_note} | {r['best']} | {r['best_tokens_per_s']:.0f} "
+                     f"| {r['regret_ratio']:.3f} | {r['osdp_rank']} of {r['fitting']} "
+                     f"| {_fmt(r['spearman'], '.2f')} | {over} |")
+    return "\n".join(lines)
+
+
+def candidates_table(shape: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    budgets = shape["budgets"]
+    lines = [f"shape {shape['shape']} ({shape['units']} units; all-replicate peak "
+             f"{shape['replicate_peak_bytes'] / MIB:.2f} MiB):", "",
+             "| candidate | also found as | predicted step s | measured step s | tokens/s | predicted peak MiB "
+             "| measured peak MiB | fits (measured) | plan |", "|" + "---|" * 9]
+    for r in sorted(rows, key=lambda r: r.get("step_s", float("inf"))):
+        if not r["runs_ok"]:
+            lines.append(f"| {r['name']} | {', '.join(r['aliases'])} | {r['predicted_step_s']:.4f} "
+                         f"| {'failed' if r['runs_failed'] else 'not run'} | | | | | |")
+            continue
+        fits = ", ".join(label for label, b in budgets.items() if r["peak_bytes"] <= b) or "none"
+        lines.append(f"| {r['name']} | {', '.join(r['aliases'])} | {r['predicted_step_s']:.4f} | {r['step_s']:.4f} "
+                     f"| {r['tokens_per_s']:.0f} | {r['predicted_peak_bytes'] / MIB:.2f} | {r['peak_bytes'] / MIB:.2f} "
+                     f"| {fits} | {_choice_text(r['choices'])} |")
+    return "\n".join(lines)
+
+
+def verdicts(budget_rows: list[dict[str, Any]]) -> list[str]:
+    ok = [r for r in budget_rows if r["status"] == "ok"]
+    ratios = [r["regret_ratio"] for r in ok]
+    rhos = [r["spearman"] for r in budget_rows if r["spearman"] is not None]
+    return [f"- regret ratio >= {REGRET_TARGET} at every budget: "
+            + ("n/a" if not ratios else f"{'MET' if min(ratios) >= REGRET_TARGET else 'MISSED'} "
+               f"(lowest {min(ratios):.3f})"),
+            f"- Spearman(predicted, measured step) >= {SPEARMAN_TARGET}: "
+            + ("n/a" if not rhos else f"{'MET' if min(rhos) >= SPEARMAN_TARGET else 'MISSED'} "
+               f"(lowest {min(rhos):.2f}, median {statistics.median(rhos):.2f})"),
+            "- osdp within its budget (measured): "
+            + ("MET" if all(r["osdp_fits"] for r in ok) else "MISSED")]
+
+
+def write_outputs(out_dir: Path, machine: dict[str, Any], shapes: list[dict[str, Any]], plot: bool = True) -> str:
+    """Write regret.md, regret_runs.json (and regret.png); return the markdown."""
+    (out_dir / "regret_runs.json").write_text(json.dumps({"machine": machine, "shapes": shapes}, indent=1,
+                                                         default=str) + "\n")
+    per_shape = [(shape, measured(shape)) for shape in shapes]
+    budget_rows = [budget_row(shape, rows, label, budget) for shape, rows in per_shape
+                   for label, budget in shape["budgets"].items()]
+    parts = [f"machine: {json.dumps(machine, default=str)}", "", regret_table(budget_rows), "", "targets:",
+             *verdicts(budget_rows), ""]
+    for shape, rows in per_shape:
+        parts += [candidates_table(shape, rows), ""]
+    if plot:
+        from benchmarks.regret_plot import plot_regret
+
+        plot_regret(out_dir / "regret.png", per_shape, machine)
+        parts.append(f"plot: {out_dir / 'regret.png'}")
+    text = "\n".join(parts)
+    (out_dir / "regret.md").write_text(text + "\n")
+    return text

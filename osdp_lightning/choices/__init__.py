@@ -1,0 +1,107 @@
+"""The choices a unit can take: one module per family, one registry, one choice space.
+
+    from osdp_lightning.choices import parse, choice_space, choice_cost
+    parse("split(k=4, sharded=3)")["k"]  # 4
+
+Only this package reads or writes choice names. A family (``replicate.py``, ``zero2.py``, ...)
+says its name and parameters, its cost (:class:`~osdp_lightning.cost.ChoiceCost` from a
+:class:`~osdp_lightning.cost.CostContext`) and how it is applied; registering it below is the
+only line a new family adds outside its module (see ``docs/design.md``, "Adding a choice family").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from osdp_lightning.choices import checkpointing, groups, replicate, split, zero2, zero3
+from osdp_lightning.choices.base import (
+    REGISTRY,
+    Choice,
+    ChoiceFamily,
+    ChoiceModifier,
+    ChoiceOptions,
+    as_choice,
+    family_of,
+    is_known,
+    known_names,
+    parse,
+    register,
+    register_modifier,
+)
+from osdp_lightning.choices.groups import hsdp_choice, zero3_reshard_choice
+from osdp_lightning.choices.split import choice as split_choice
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from osdp_lightning.apply import Meshes
+    from osdp_lightning.cluster import ClusterSpec
+    from osdp_lightning.cost import ChoiceCost, CostContext
+    from osdp_lightning.profile import UnitProfile
+
+# Registration order is the order of the choice space (the solver keeps the first of equal choices).
+for _family in (replicate.FAMILY, zero2.FAMILY, zero3.FAMILY, split.FAMILY, groups.HSDP, groups.ZERO3_RESHARD):
+    register(_family)
+register_modifier(checkpointing.MODIFIER)
+
+REPLICATE, ZERO2, ZERO3 = replicate.CHOICE, zero2.CHOICE, zero3.CHOICE
+BASE_CHOICES: tuple[Choice, ...] = (REPLICATE, ZERO2, ZERO3)
+
+ALIASES: dict[str, str] = {"ddp": "replicate", "fsdp": "zero3"}
+"""The one table of names users know from Lightning's strategies."""
+BASELINES: tuple[str, ...] = ("ddp", "zero2", "zero3")
+"""The uniform plans osdp is compared with (``osdp-plan``, the benchmarks)."""
+
+
+def resolve(name: str) -> Choice:
+    """The choice named ``name`` or by an alias (``"ddp"`` is ``replicate``, ``"fsdp"`` is ``zero3``)."""
+    return parse(ALIASES.get(name, name))
+
+
+def choice_space(cluster: ClusterSpec, options: ChoiceOptions | None = None) -> tuple[Choice, ...]:
+    """Every choice the solver may give a unit: each family's, then each modifier's combinations."""
+    options = options or ChoiceOptions()
+    choices = tuple(c for family in REGISTRY.families.values() for c in family.space(options, cluster))
+    for modifier in REGISTRY.modifiers.values():
+        choices = modifier.space(options, choices)
+    return choices
+
+
+def choice_cost(unit: UnitProfile, choice: Choice | str, ctx: CostContext) -> ChoiceCost:
+    """What ``choice`` costs ``unit``: its family's cost, then each modifier's adjustment."""
+    choice = as_choice(choice)
+    cost = family_of(choice).cost(unit, choice.base, ctx)
+    for name in choice.modifiers:
+        cost = REGISTRY.modifiers[name].cost(cost, unit, choice, ctx)
+    return cost
+
+
+def is_allowed(unit: UnitProfile, choice: Choice | str, ctx: CostContext) -> bool:
+    choice = as_choice(choice)
+    return family_of(choice).allowed(unit, choice.base, ctx) and all(
+        REGISTRY.modifiers[m].allowed(unit, choice, ctx) for m in choice.modifiers)
+
+
+def apply_choice(model: nn.Module, module_names: tuple[str, ...], choice: Choice | str, meshes: Meshes,
+                 mp_policy: MixedPrecisionPolicy) -> None:
+    """Apply ``choice`` to a unit: modifiers' transforms first, then the family's own apply."""
+    choice = as_choice(choice)
+    for name in choice.modifiers:
+        REGISTRY.modifiers[name].apply(model, module_names, choice, meshes, mp_policy)
+    family_of(choice).apply(model, module_names, choice.base, meshes, mp_policy)
+
+
+def mesh_group_sizes(choices: Iterable[Choice | str]) -> tuple[int, ...]:
+    """Group sizes of the extra (W/g, g) meshes ``choices`` need, sorted, each once."""
+    return tuple(sorted({g for c in choices for g in family_of(as_choice(c)).mesh_groups(as_choice(c))}))
+
+
+__all__ = [
+    "ALIASES", "BASELINES", "BASE_CHOICES", "REGISTRY", "REPLICATE", "ZERO2", "ZERO3", "Choice", "ChoiceFamily",
+    "ChoiceModifier", "ChoiceOptions", "apply_choice", "as_choice", "choice_cost", "choice_space", "family_of",
+    "hsdp_choice", "is_allowed", "is_known", "known_names", "mesh_group_sizes", "parse", "register",
+    "register_modifier", "resolve", "split_choice", "zero3_reshard_choice",
+]

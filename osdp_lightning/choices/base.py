@@ -1,0 +1,226 @@
+"""What a choice is, what a family of choices provides, and the one registry of families.
+
+A :class:`Choice` is a kind plus integer parameters plus modifiers: ``zero3``,
+``split(k=4, sharded=3)``, ``hsdp(g=8)``, ``zero3(reshard=8)``, ``zero3+ckpt``. Its ``str()`` is
+the name plans, tables and configs use; :func:`parse` reads a name back. A family
+(:class:`ChoiceFamily`) is identified by its kind and parameter names (``zero3`` and
+``zero3(reshard=G)`` are two families) and says what the choice costs and how it is applied.
+A modifier (:class:`ChoiceModifier`, ``+ckpt``) combines with any family's choice: it adjusts
+the cost of the choice it modifies and transforms the module before the family applies it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:  # NOTE: no runtime import: cost.py and apply.py import this package
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from osdp_lightning.apply import Meshes
+    from osdp_lightning.cluster import ClusterSpec
+    from osdp_lightning.cost import ChoiceCost, CostContext
+    from osdp_lightning.profile import UnitProfile
+
+_NAME_RE = re.compile(r"^(?P<kind>[a-z][a-z0-9_]*)(?:\((?P<params>[^()]*)\))?(?P<mods>(?:\+[a-z][a-z0-9_]*)*)$")
+_PARAM_RE = re.compile(r"^\s*([a-z_]+)\s*=\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One way to run a unit. ``str()`` gives its name; :func:`parse` reads the name back."""
+
+    kind: str
+    """The family's kind: ``replicate``, ``zero2``, ``zero3``, ``split``, ``hsdp``."""
+    params: tuple[tuple[str, int], ...] = ()
+    """``(name, value)`` pairs in the family's order, e.g. ``(("k", 4), ("sharded", 3))``."""
+    modifiers: tuple[str, ...] = ()
+    """Modifier names in registry order, e.g. ``("ckpt",)``."""
+
+    def __str__(self) -> str:
+        text = self.kind
+        if self.params:
+            text += "(" + ", ".join(f"{name}={value}" for name, value in self.params) + ")"
+        return text + "".join(f"+{m}" for m in self.modifiers)
+
+    def __getitem__(self, name: str) -> int:
+        for key, value in self.params:
+            if key == name:
+                return value
+        raise KeyError(f"choice {self} has no parameter {name!r}")
+
+    @property
+    def signature(self) -> tuple[str, tuple[str, ...]]:
+        """What identifies the family: the kind and the parameter names."""
+        return self.kind, tuple(name for name, _ in self.params)
+
+    @property
+    def base(self) -> Choice:
+        """This choice without its modifiers."""
+        return Choice(self.kind, self.params)
+
+    def with_modifier(self, name: str) -> Choice:
+        return Choice(self.kind, self.params, _ordered_modifiers({*self.modifiers, name}))
+
+
+@dataclass(frozen=True)
+class ChoiceOptions:
+    """What the strategy (or a dry run, or ``osdp-plan``) lets the solver choose from."""
+
+    split_factors: tuple[int, ...] = ()
+    """Slice counts ``k`` a Linear may be split into; ``()`` turns splitting off."""
+    group_sizes: tuple[int, ...] | None = None
+    """Group sizes of ``hsdp(g=G)`` / ``zero3(reshard=G)``; ``None``: one node's ranks on several nodes."""
+    activation_checkpointing: str = "auto"
+    """``auto``: the ILP decides per unit; ``never``; ``always``: every unit that can (``+ckpt``)."""
+
+
+CostFn = Callable[["UnitProfile", Choice, "CostContext"], "ChoiceCost"]
+ApplyFn = Callable[[nn.Module, tuple[str, ...], Choice, "Meshes", "MixedPrecisionPolicy"], None]
+
+
+def _always(_unit: UnitProfile, _choice: Choice, _ctx: CostContext) -> bool:
+    return True
+
+
+def _no_groups(_choice: Choice) -> tuple[int, ...]:
+    return ()
+
+
+@dataclass(frozen=True)
+class ChoiceFamily:
+    """One family of choices: its name and parameters, its cost, how it is applied."""
+
+    kind: str
+    param_names: tuple[str, ...]
+    cost: CostFn
+    """Per-rank bytes and seconds of a choice of this family for one unit."""
+    apply: ApplyFn
+    """Applies the choice to the unit's modules ``model.get_submodule(name)`` (``""``: ``model``)."""
+    space: Callable[[ChoiceOptions, ClusterSpec], tuple[Choice, ...]]
+    """The choices of this family the options and the cluster allow."""
+    allowed: Callable[[UnitProfile, Choice, CostContext], bool] = _always
+    """Whether a unit can take the choice (a split needs one Linear whose width ``k`` divides)."""
+    mesh_groups: Callable[[Choice], tuple[int, ...]] = _no_groups
+    """Group sizes of the extra (W/g, g) meshes the choice needs."""
+
+    @property
+    def signature(self) -> tuple[str, tuple[str, ...]]:
+        return self.kind, self.param_names
+
+
+@dataclass(frozen=True)
+class ChoiceModifier:
+    """A modifier combined with any family's choice (``+name``)."""
+
+    name: str
+    cost: Callable[[ChoiceCost, UnitProfile, Choice, CostContext], ChoiceCost]
+    """The modified cost, from the cost of the choice without this modifier."""
+    apply: ApplyFn
+    """Transforms the unit's modules; runs before the family's own apply."""
+    space: Callable[[ChoiceOptions, tuple[Choice, ...]], tuple[Choice, ...]]
+    """The choice space with this modifier, from the options and the space without it."""
+    allowed: Callable[[UnitProfile, Choice, CostContext], bool] = _always
+
+
+@dataclass
+class _Registry:
+    families: dict[tuple[str, tuple[str, ...]], ChoiceFamily] = field(default_factory=dict)
+    modifiers: dict[str, ChoiceModifier] = field(default_factory=dict)
+
+
+REGISTRY = _Registry()
+
+
+def register(family: ChoiceFamily) -> ChoiceFamily:
+    if family.signature in REGISTRY.families:
+        raise ValueError(f"choice family {family.signature} is registered twice")
+    REGISTRY.families[family.signature] = family
+    return family
+
+
+def register_modifier(modifier: ChoiceModifier) -> ChoiceModifier:
+    if modifier.name in REGISTRY.modifiers:
+        raise ValueError(f"choice modifier {modifier.name!r} is registered twice")
+    REGISTRY.modifiers[modifier.name] = modifier
+    return modifier
+
+
+def family_of(choice: Choice | str) -> ChoiceFamily:
+    choice = as_choice(choice)
+    return REGISTRY.families[choice.signature]
+
+
+def _ordered_modifiers(names: set[str] | Sequence[str]) -> tuple[str, ...]:
+    return tuple(m for m in REGISTRY.modifiers if m in set(names))
+
+
+def known_names() -> list[str]:
+    """Every family and modifier as a name pattern, for error messages."""
+    families = [f"{kind}({', '.join(f'{n}=N' for n in names)})" if names else kind
+                for kind, names in REGISTRY.families]
+    return families + [f"<choice>+{m}" for m in REGISTRY.modifiers]
+
+
+def parse(text: str) -> Choice:
+    """The :class:`Choice` named ``text`` (``str()`` of a Choice); ``ValueError`` if no family has it."""
+    match = _NAME_RE.match(text.strip()) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(f"{text!r} is not a choice name; known choices: {known_names()}")
+    params: dict[str, int] = {}
+    for part in filter(None, (match.group("params") or "").split(",")):
+        param = _PARAM_RE.match(part)
+        if param is None or param.group(1) in params:
+            raise ValueError(f"{text!r}: bad parameter {part.strip()!r}; known choices: {known_names()}")
+        params[param.group(1)] = int(param.group(2))
+    family = next((f for (kind, names), f in REGISTRY.families.items()
+                   if kind == match.group("kind") and set(names) == set(params)), None)
+    if family is None or (match.group("params") is not None and not params):
+        raise ValueError(f"{text!r} names no known choice; known choices: {known_names()}")
+    modifiers = [m for m in match.group("mods").split("+") if m]
+    unknown = [m for m in modifiers if m not in REGISTRY.modifiers]
+    if unknown or len(set(modifiers)) != len(modifiers):
+        raise ValueError(f"{text!r}: unknown or repeated modifier {unknown or modifiers}; known choices: "
+                         f"{known_names()}")
+    return Choice(family.kind, tuple((n, params[n]) for n in family.param_names), _ordered_modifiers(modifiers))
+
+
+def as_choice(choice: Choice | str) -> Choice:
+    return choice if isinstance(choice, Choice) else parse(choice)
+
+
+def is_known(text: str) -> bool:
+    try:
+        parse(text)
+    except ValueError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers the families share
+# ---------------------------------------------------------------------------------------------
+def unit_modules(model: nn.Module, module_names: tuple[str, ...]) -> nn.Module | list[nn.Module]:
+    """The module(s) of a unit; tied modules as a list (FSDP2's list form keeps them in one group)."""
+    modules = [model.get_submodule(name) for name in module_names]
+    return modules[0] if len(modules) == 1 else modules
+
+
+def fully_shard_apply(kwargs: Callable[[Choice, Meshes], dict]) -> ApplyFn:
+    """An apply function that calls ``fully_shard`` on the unit with ``kwargs(choice, meshes)``."""
+    def apply(model: nn.Module, module_names: tuple[str, ...], choice: Choice, meshes: Meshes,
+              mp_policy: MixedPrecisionPolicy) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        from osdp_lightning.replicate import ignored_for
+
+        target = unit_modules(model, module_names)
+        # NOTE: replicated units below this one stay plain tensors on DDP's reducer (osdp_lightning/replicate.py).
+        ignored = ignored_for(target)
+        extra = {"ignored_params": ignored} if ignored else {}
+        fully_shard(target, **kwargs(choice, meshes), mp_policy=mp_policy, **extra)
+    return apply

@@ -1,0 +1,113 @@
+"""Groups across nodes, the paper's "group sharding" and "communication with groups":
+
+- ``hsdp(g=G)``: zero3 inside groups of ``G`` consecutive ranks, replicated across groups (FSDP2
+  on a 2-D (W/G, G) mesh);
+- ``zero3(reshard=G)``: zero3 over all ranks that reshards after forward only down to groups of
+  ``G`` ranks (FSDP2's ``reshard_after_forward=G``), so the backward all-gather stays in a group.
+"""
+
+from __future__ import annotations
+
+from osdp_lightning.choices.base import Choice, ChoiceFamily, ChoiceOptions, fully_shard_apply
+from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.cost import (
+    ChoiceCost,
+    CostContext,
+    UnitBytes,
+    all_gather_s,
+    all_reduce_s,
+    ceil_div,
+    reduce_scatter_s,
+)
+from osdp_lightning.profile import UnitProfile
+
+
+def hsdp_choice(group: int) -> Choice:
+    return Choice("hsdp", (("g", group),))
+
+
+def zero3_reshard_choice(group: int) -> Choice:
+    return Choice("zero3", (("reshard", group),))
+
+
+def group_sizes_for(options: ChoiceOptions, cluster: ClusterSpec) -> tuple[int, ...]:
+    """The options' group sizes (default: one node's ranks when there are several nodes).
+
+    Only sizes that divide the world and lie strictly between 1 and it. On one node the default is
+    none: a group smaller than the node saves no bandwidth, it only shards less.
+    """
+    sizes = options.group_sizes
+    if sizes is None:
+        sizes = (cluster.local_world_size,) if cluster.num_nodes > 1 else ()
+    return tuple(g for g in sizes if 1 < g < cluster.world_size and cluster.world_size % g == 0)
+
+
+def _check_group(group: int, cluster: ClusterSpec) -> None:
+    if not 1 < group < cluster.world_size or cluster.world_size % group:
+        raise ValueError(f"group size {group} must divide the world size {cluster.world_size} and lie "
+                         "strictly between 1 and it")
+
+
+def hsdp_cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
+    """Two all-gathers and a reduce-scatter inside the group (inside a node when ``g`` ranks fit
+    in one), then an all-reduce of the 1/g gradient shard across the W/g groups, whose members sit
+    on different nodes whenever there are several."""
+    group, cluster = choice["g"], ctx.cluster
+    _check_group(group, cluster)
+    b = UnitBytes.of(unit, ctx.profile)
+    in_group_s = 2 * all_gather_s(b.gathered, group, cluster) + ctx.once_per_step_s(
+        reduce_scatter_s(b.reduced, group, cluster))
+    across_nodes = cluster.num_nodes > 1
+    across_s = ctx.once_per_step_s(all_reduce_s(ceil_div(b.reduced, group), cluster.world_size // group, cluster,
+                                                crosses_nodes=across_nodes))
+    exposed_s = ((2 + ctx.once_per_step_s(1)) * cluster.link(cluster.crosses_nodes(group))[0]
+                 + ctx.once_per_step_s(cluster.link(across_nodes)[0]))
+    overhead_s, optimizer_s = ctx.machinery_s(unit, "hsdp")  # priced as zero3 groups (step_terms.MACHINERY)
+    kept = ctx.kept_grad_bytes(b.grads)  # accumulating: the unsharded gradient lives through the step
+    return ChoiceCost(str(choice), ceil_div(b.state, group) + kept, 0, b.gathered + b.grads - kept, ctx.compute_s(unit),
+                      in_group_s + across_s, prefetch_bytes=b.gathered, exposed_s=exposed_s,
+                      overhead_s=overhead_s, optimizer_s=optimizer_s,
+                      activation_bytes=ctx.activation_bytes(unit))
+
+
+def zero3_reshard_cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
+    """Sharded over all W ranks; 1/group of the gathered parameters held until backward; the
+    forward all-gather and the reduce-scatter span all W ranks, the backward all-gather a group."""
+    group, cluster = choice["reshard"], ctx.cluster
+    _check_group(group, cluster)
+    b = UnitBytes.of(unit, ctx.profile)
+    world = cluster.world_size
+    comm_s = (all_gather_s(b.gathered, world, cluster) + all_gather_s(b.gathered, group, cluster)
+              + ctx.once_per_step_s(reduce_scatter_s(b.reduced, world, cluster)))
+    exposed_s = ((1 + ctx.once_per_step_s(1)) * cluster.link(cluster.crosses_nodes(world))[0]
+                 + cluster.link(cluster.crosses_nodes(group))[0])
+    overhead_s, optimizer_s = ctx.machinery_s(unit, "zero3")
+    kept = ctx.kept_grad_bytes(b.grads)  # accumulating: the unsharded gradient lives through the step
+    return ChoiceCost(str(choice), ceil_div(b.state, world) + kept, ceil_div(b.gathered, group), b.gathered + b.grads - kept,
+                      ctx.compute_s(unit), comm_s, prefetch_bytes=b.gathered, exposed_s=exposed_s,
+                      overhead_s=overhead_s, optimizer_s=optimizer_s,
+                      activation_bytes=ctx.activation_bytes(unit))
+
+
+def hsdp_kwargs(choice: Choice, meshes: object) -> dict:
+    """``fully_shard`` arguments of ``hsdp(g=G)``: the (W/G, G) mesh, resharded after forward."""
+    group = choice["g"]
+    if group not in meshes.groups:
+        raise ValueError(f"{choice} needs a ({meshes.shard.size() // group}, {group}) mesh: build it with "
+                         "build_meshes(..., group_sizes) or with_group_meshes(meshes, plan)")
+    return {"mesh": meshes.groups[group], "reshard_after_forward": True}
+
+
+HSDP = ChoiceFamily(
+    kind="hsdp", param_names=("g",), cost=hsdp_cost, apply=fully_shard_apply(hsdp_kwargs),
+    space=lambda options, cluster: tuple(hsdp_choice(g) for g in group_sizes_for(options, cluster)),
+    mesh_groups=lambda choice: (choice["g"],))
+
+def zero3_reshard_kwargs(choice: Choice, meshes: object) -> dict:
+    # NOTE: FSDP2 reshards to rows of `group` consecutive ranks: the backward all-gather stays in a node.
+    return {"mesh": meshes.shard, "reshard_after_forward": choice["reshard"]}
+
+
+ZERO3_RESHARD = ChoiceFamily(
+    kind="zero3", param_names=("reshard",), cost=zero3_reshard_cost, apply=fully_shard_apply(zero3_reshard_kwargs),
+    space=lambda options, cluster: tuple(zero3_reshard_choice(g) for g in group_sizes_for(options, cluster)))

@@ -1,0 +1,52 @@
+"""``replicate``: every rank keeps the whole unit and all-reduces its gradients (DDP's layout).
+
+Applied with DDP's own machinery (``osdp_lightning/replicate.py``): the unit's parameters stay
+plain tensors, and one DDP reducer for every replicated parameter of the plan all-reduces their
+gradients in buckets during backward. Applying only marks the unit; ``apply_plan`` builds the
+reducer once every unit is applied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from osdp_lightning.choices.base import Choice, ChoiceFamily, ChoiceOptions, unit_modules
+from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.cost import ChoiceCost, CostContext, UnitBytes, all_reduce_s
+from osdp_lightning.profile import UnitProfile
+from osdp_lightning.replicate import BUCKET_CAP_MB, mark_replicated
+
+CHOICE = Choice("replicate")
+
+
+def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
+    """Whole state on every rank, no parameter copy; the gradients' all-reduce rides in DDP's buckets."""
+    b = UnitBytes.of(unit, ctx.profile)
+    # NOTE: gradients are views into the reducer's buckets (gradient_as_bucket_view=True), so they
+    # are part of the persistent state and there is no second copy. After zero_grad(set_to_none)
+    # autograd computes each gradient into a fresh tensor that the reducer copies into its bucket
+    # and frees: the unit's gradients are the transient (an upper bound: one tensor at a time).
+    overhead_s, optimizer_s = ctx.machinery_s(unit, "replicate")
+    # One collective per ~25 MiB bucket, not per unit: the unit pays its share of a launch.
+    bucket_share = min(1.0, b.grads / (BUCKET_CAP_MB * 2**20))
+    # Accumulating, DDP's no-sync adds each micro-step's gradients into the same buckets: no extra bytes.
+    return ChoiceCost(str(choice), b.state, 0, b.grads, ctx.compute_s(unit),
+                      ctx.once_per_step_s(all_reduce_s(b.grads, ctx.cluster.world_size, ctx.cluster)), prefetch_bytes=0,
+                      exposed_s=ctx.once_per_step_s(ctx.world_latency_s() * bucket_share), overhead_s=overhead_s, optimizer_s=optimizer_s,
+                      activation_bytes=ctx.activation_bytes(unit))
+
+
+def space(_options: ChoiceOptions, _cluster: ClusterSpec) -> tuple[Choice, ...]:
+    return (CHOICE,)
+
+
+def apply(model: nn.Module, module_names: tuple[str, ...], _choice: Choice, _meshes: Any, _mp_policy: Any) -> None:
+    """Mark the unit for DDP's reducer; ``apply_plan`` builds it (``finish_replicate``) after every unit."""
+    modules = unit_modules(model, module_names)
+    for module in modules if isinstance(modules, list) else [modules]:
+        mark_replicated(module)
+
+
+FAMILY = ChoiceFamily(kind="replicate", param_names=(), cost=cost, space=space, apply=apply)

@@ -1,0 +1,271 @@
+"""The fake training step of a dry run: a model on fake tensors and what one step of it does.
+
+Every tensor has a shape, dtype and device but no storage (``FakeTensorMode``), so a
+1.5B-parameter model costs no memory. One fake step gives, per unit (``recorder.StepRecorder``,
+the same hooks as the measured profile): execution order, saved-for-backward and input bytes,
+output size, and FLOPs (``FlopCounterMode``), plus the step's activation peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from osdp_lightning.profile import _logging_disabled, _loss_runner, preserved_rng
+from osdp_lightning.recorder import StepRecorder, storage_key, storage_of
+from osdp_lightning.units import ROOT, UnitSpec
+
+MIXED_PRECISION_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+ModelSource = nn.Module | Callable[[], nn.Module]
+"""A module (copied without its data, never touched), or a function that builds one (called on the
+meta device, so nothing is allocated)."""
+
+_aten = torch.ops.aten
+# NOTE: the fused CPU attention kernel has no FLOP formula in torch; it does what flash attention does.
+_CPU_SDPA_FLOPS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad, q, k, v),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake model and batch
+# ---------------------------------------------------------------------------------------------
+def fake_mode() -> FakeTensorMode:
+    # NOTE: real inputs (a real batch, index tensors made at init) are accepted as constants.
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def build_fake_module(model: ModelSource, mode: FakeTensorMode) -> nn.Module:
+    """``model`` with fake parameters and buffers: built (or copied) on the meta device, then given
+    fake storage.
+
+    NOTE: not built under FakeTensorMode directly: modules that deep-copy fake tensors
+    (nn.TransformerEncoder clones its layer) get views that do not share their base's fake storage,
+    and every byte count that dedupes storages would count them twice.
+    """
+    module = build_meta_module(model)
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((owner, name))
+    with mode:
+        module.to_empty(device="cpu")
+    # NOTE: to_empty gives each holder of a tied parameter its own new one (meta and fake tensors
+    # cannot share a set_data); tie them again.
+    for (first, first_name), *others in holders.values():
+        for owner, name in others:
+            setattr(owner, name, getattr(first, first_name))
+    return module
+
+
+def build_meta_module(model: ModelSource) -> nn.Module:
+    """``model`` on the meta device (shapes only; FSDP2 can shard it, ``to_empty`` fills it).
+
+    A factory runs under ``torch.device("meta")``; a module is copied with meta tensors in place of
+    its parameters and buffers (its data is never copied, the caller's module is left as it is).
+    """
+    if not isinstance(model, nn.Module):
+        with torch.device("meta"):
+            return model()
+    memo: dict[int, torch.Tensor] = {
+        id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for p in model.parameters()}
+    memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
+    return copy.deepcopy(model, memo)
+
+
+def fake_batch(batch: object, mode: FakeTensorMode) -> object:
+    """``batch`` with every tensor fake; meta tensors stand for shapes (values are never read)."""
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "meta":
+            with mode:
+                return torch.zeros(t.shape, dtype=t.dtype)
+        return mode.from_tensor(t)
+    return tree_map_only(torch.Tensor, convert, batch)
+
+
+def step_runner(module: nn.Module, batch: object, precision: str = "32-true") -> Callable[[], torch.Tensor]:
+    """A function computing the training loss: ``training_step(batch, 0)`` or the summed outputs."""
+    autocast = MIXED_PRECISION_DTYPES.get(precision)
+
+    def context() -> contextlib.AbstractContextManager:
+        return torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+
+    if hasattr(module, "training_step"):
+        return _loss_runner(module, batch, context)
+
+    def run_forward() -> torch.Tensor:
+        with context():
+            out = module(*batch) if isinstance(batch, tuple) else module(batch)
+        return sum(t.float().sum() for t in _flat_tensors(out))
+    return run_forward
+
+
+def _flat_tensors(obj: object) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    tree_map_only(torch.Tensor, found.append, obj)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# One fake step: unit order, saved bytes, FLOPs
+# ---------------------------------------------------------------------------------------------
+def _unit_flops(root: nn.Module, specs: Sequence[UnitSpec], counts: dict[str, dict]) -> dict[str, int]:
+    """FLOPs each unit's own modules ran (root: everything else) from FlopCounterMode's counts.
+
+    FlopCounterMode counts a module's whole subtree under ``<root>.<qualified name>`` (see
+    :func:`_name_modules_for`); a module's own FLOPs are its count minus its children's, and go to
+    the innermost unit holding it.
+    """
+    prefix = _FLOP_ROOT
+    inclusive = {name[len(prefix) + 1:]: sum(ops.values()) for name, ops in counts.items()
+                 if name.startswith(prefix + ".")}
+    owner: dict[str, str] = {}
+    for spec in sorted(specs, key=lambda s: min(n.count(".") for n in s.module_names)):  # inner units last
+        for mod_name in spec.module_names:
+            for sub_name, _ in root.get_submodule(mod_name).named_modules(prefix=mod_name):
+                owner[sub_name] = spec.name
+    flops = {s.name: 0 for s in specs}
+    for name, module in root.named_modules():
+        if name in owner:
+            children = sum(inclusive.get(f"{name}.{child}", 0) for child, _ in module.named_children())
+            flops[owner[name]] += max(inclusive.get(name, 0) - children, 0)
+    total = sum(counts.get("Global", {}).values())
+    flops[ROOT] = max(total - sum(flops.values()), 0)
+    return flops
+
+
+_FLOP_ROOT = "<root>"
+
+
+def _name_modules_for(counter: FlopCounterMode, root: nn.Module) -> None:
+    """Make FlopCounterMode name every module ``<root>.<qualified name>``.
+
+    NOTE: its module tracker names the first module it sees after its class and that module's
+    children after it, so a LightningModule whose ``training_step`` calls ``self.net`` would be
+    counted as ``GPT.h.0...`` and two top-level modules of one class would share a name.
+    """
+    known = getattr(getattr(counter, "mod_tracker", None), "_known_modules", None)
+    if known is None:
+        raise RuntimeError("this torch's FlopCounterMode has no module tracker: per-unit FLOPs are unavailable")
+    for name, module in root.named_modules():
+        known[module] = f"{_FLOP_ROOT}.{name}" if name else _FLOP_ROOT
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeStep:
+    order: list[str]
+    saved_bytes: dict[str, int]
+    input_bytes: dict[str, int]
+    output_numel: dict[str, int]
+    forward_flops: dict[str, int]
+    backward_flops: dict[str, int]
+
+
+def run_fake_step(module: nn.Module, specs: Sequence[UnitSpec], run_loss: Callable[[], torch.Tensor]) -> FakeStep:
+    recorder = StepRecorder(module, specs)
+    with preserved_rng(), _logging_disabled(module), recorder.installed():
+        with FlopCounterMode(display=False, custom_mapping=_CPU_SDPA_FLOPS) as counter:
+            _name_modules_for(counter, module)
+            loss = run_loss()
+            forward_counts = counter.get_flop_counts()
+            loss.backward()
+            total_counts = counter.get_flop_counts()
+    forward = _unit_flops(module, specs, forward_counts)
+    total = _unit_flops(module, specs, total_counts)
+    backward = {name: max(total[name] - forward[name], 0) for name in total}
+    return FakeStep(recorder.order, recorder.saved_bytes, recorder.input_bytes, recorder.output_numel, forward,
+                     backward)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the tensors a step creates, apart from parameter gradients once accumulated, at the
+    moment the step's memory (those bytes plus the gradients) peaks.
+
+    The quantity :func:`osdp_lightning.profile.measureactivation_peak` reads from MemTracker's
+    peak snapshot (activations, temporaries, inputs), without MemTracker's per-module snapshots,
+    which take tens of seconds on a 1.5B-parameter model.
+    """
+
+    def __init__(self, existing: set[int]) -> None:
+        super().__init__()
+        self.existing = existing
+        """Storage keys that are not the step's (parameters, buffers: views of them cost nothing)."""
+        self.live: dict[int, int] = {}
+        self.current = self.grads = self.peak_total = self.at_peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for tensor in _flat_tensors(out):
+            storage = storage_of(tensor)
+            key = storage._cdata
+            if key not in self.live and key not in self.existing:
+                self.live[key] = storage.nbytes()
+                self.current += self.live[key]
+                weakref.finalize(storage, self.forget, key)
+        self._update_peak()
+        return out
+
+    def forget(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def mark_gradient(self, key: int) -> None:
+        """A parameter's gradient: counted in the total from now on, no longer as the step's own."""
+        nbytes = self.live.pop(key, 0)
+        self.current -= nbytes
+        self.grads += nbytes
+        self.existing.add(key)
+        self._update_peak()
+
+    def _update_peak(self) -> None:
+        if self.current + self.grads >= self.peak_total:
+            self.peak_total, self.at_peak = self.current + self.grads, self.current
+
+
+def activation_peak(module: nn.Module, run_loss: Callable[[], torch.Tensor]) -> int:
+    """Bytes of one fake forward+backward that are neither parameters nor gradients at the step's
+    peak, less the largest gradient (the one in flight), as the measured profile counts them."""
+    tracker = _LiveBytes({storage_key(t) for t in [*module.parameters(), *module.buffers()]})
+    params = [p for p in module.parameters() if p.requires_grad]
+    handles = [p.register_post_accumulate_grad_hook(lambda p: tracker.mark_gradient(storage_key(p.grad)))
+               for p in params]
+    try:
+        with preserved_rng(), _logging_disabled(module), tracker:
+            run_loss().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    module.zero_grad(set_to_none=True)
+    largest_grad = max((p.numel() * p.element_size() for p in params), default=0)
+    return max(tracker.at_peak - largest_grad, 0)
+
+
+def activation_bytes_of(module: nn.Module, specs: Sequence[UnitSpec], run_loss: Callable[[], torch.Tensor]) -> int:
+    """What the measured profile calls activation bytes: those saved for backward, or the peak of
+    activations and backward temporaries if that is larger."""
+    recorder = StepRecorder(module, specs)
+    with preserved_rng(), _logging_disabled(module), recorder.installed():
+        run_loss()
+    return max(sum(recorder.saved_bytes.values()), activation_peak(module, run_loss))
+
+
+def doubled_batch(batch: object, micro_batch: int) -> object:
+    """``batch`` with twice the samples (tensors whose first dimension is the micro-batch size)."""
+    def double(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t]) if t.dim() > 0 and t.shape[0] == micro_batch else t
+    return tree_map_only(torch.Tensor, double, batch)

@@ -1,0 +1,109 @@
+"""One step recorder for the measured profile (``profile.py``) and the estimated one (``dryrun.py``).
+
+Hooks on every unit's modules record, during one forward and backward, per unit:
+
+- the execution order (first forward call);
+- its own forward seconds (a nested unit's time is charged to it, not to the unit around it);
+- the bytes saved for backward while it is the innermost running unit (each storage once,
+  parameters excluded): what the unit keeps from forward to backward;
+- the bytes of its tensor inputs (parameters excluded): what it keeps when checkpointed;
+- the elements of its tensor output (a split Linear sums ``k`` partial outputs of that size);
+- when its last gradient was accumulated (the end of its backward).
+
+Storages are told apart by the identity of the storage object of a tensor's base, which works for
+real tensors and for fake ones (whose data pointers are all 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from osdp_lightning.units import ROOT, UnitSpec, owned_params
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+    # NOTE: a view is keyed by its base: a fake view's storage object is not always its base's.
+    return (t._base if t._base is not None else t).untyped_storage()
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return storage_of(t)._cdata
+
+
+class StepRecorder:
+    """Per-unit order, forward seconds, saved / input bytes, output size and gradient times of a step."""
+
+    def __init__(self, root: nn.Module, specs: Sequence[UnitSpec], clock: Callable[[], float] = time.perf_counter,
+                 ) -> None:
+        self.root, self.specs, self.clock = root, list(specs), clock
+        self.order: list[str] = []
+        self.forward_s: dict[str, float] = {}
+        self.grad_done_t: dict[str, float] = {}
+        self.saved_bytes: dict[str, int] = {s.name: 0 for s in self.specs} | {ROOT: 0}
+        self.input_bytes: dict[str, int] = {}
+        self.output_numel: dict[str, int] = {}
+        self._stack: list[list] = []  # [unit, start, seconds of units nested in it]
+        self._seen: set[int] = set()
+        self._param_keys = {storage_key(p) for p in root.parameters()}
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StepRecorder]:
+        """The hooks, for one forward and backward inside the block."""
+        handles = []
+        owned = owned_params(self.root, self.specs)
+        for spec in self.specs:
+            for mod_name in spec.module_names:
+                mod = self.root.get_submodule(mod_name)
+                handles.append(mod.register_forward_pre_hook(self._pre(spec.name), with_kwargs=True))
+                handles.append(mod.register_forward_hook(self._post(spec.name)))
+            handles += [p.register_post_accumulate_grad_hook(self._grad_done(spec.name))
+                        for p in owned[spec.name] if p.requires_grad]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _pre(self, name: str) -> Callable:
+        def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            if name not in self.order:
+                self.order.append(name)
+            self.input_bytes[name] = self.input_bytes.get(name, 0) + self._tensor_bytes((args, kwargs))
+            self._stack.append([name, self.clock(), 0.0])
+        return hook
+
+    def _post(self, name: str) -> Callable:
+        def hook(_mod: nn.Module, _args: object, out: object) -> None:
+            unit, start, nested_s = self._stack.pop()
+            elapsed = self.clock() - start
+            self.forward_s[unit] = self.forward_s.get(unit, 0.0) + elapsed - nested_s
+            if self._stack:
+                self._stack[-1][2] += elapsed
+            if isinstance(out, torch.Tensor):
+                self.output_numel[name] = self.output_numel.get(name, 0) + out.numel()
+        return hook
+
+    def _grad_done(self, name: str) -> Callable:
+        def hook(_p: torch.Tensor) -> None:
+            self.grad_done_t[name] = self.clock()
+        return hook
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = storage_key(tensor)
+        if key not in self._param_keys and key not in self._seen:
+            self._seen.add(key)
+            self.saved_bytes[self._stack[-1][0] if self._stack else ROOT] += storage_of(tensor).nbytes()
+        return tensor
+
+    def _tensor_bytes(self, obj: object) -> int:
+        """Bytes of the distinct non-parameter storages of the tensors in ``obj``."""
+        storages = {storage_key(t): storage_of(t).nbytes() for t in tree_flatten(obj)[0]
+                    if isinstance(t, torch.Tensor)}
+        return sum(nbytes for key, nbytes in storages.items() if key not in self._param_keys)

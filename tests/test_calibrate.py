@@ -1,0 +1,138 @@
+"""Step-time terms: calibration on 2 real ranks, the per-machine cache, and the cost model using them."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_script
+
+from osdp_lightning.calibrate import CACHE_ENV, cache_file, read_cache, write_cache
+from osdp_lightning.step_terms import MACHINERY, PLAIN, Affine, StepTerms, step_terms_from_config
+
+KEY = {"format": 1, "host": "h", "torch": "2.13.0", "backend": "gloo", "device": "cpu", "world_size": 2,
+       "ranks_per_node": 2, "split": True, "optimizer": "torch.optim.adamw.AdamW", "optimizer_flags": {}}
+
+
+def some_terms() -> StepTerms:
+    return StepTerms(collectives={k: Affine(1e-4, 1e-9) for k in ("all_gather", "reduce_scatter", "all_reduce")},
+                     overhead={k: Affine(1e-3, 2e-9) for k in MACHINERY},
+                     optimizer={k: Affine(1e-5, 1e-9) for k in (*MACHINERY, PLAIN)}, loop_step_s=4e-3)
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    return cache_file(KEY)
+
+
+def test_cache_is_written_and_read_back(cache: Path) -> None:
+    assert read_cache(cache, KEY) is None  # nothing there yet: no note, just measure
+    write_cache(cache, KEY, some_terms())
+    back = read_cache(cache, KEY)
+    assert back is not None and back.to_dict()["collectives"] == some_terms().to_dict()["collectives"]
+    assert back.overhead == some_terms().overhead and back.source.startswith("cache ")
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "negative", "foreign", "old_format", "too_old"])
+def test_a_bad_cache_is_ignored_with_one_line(cache: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
+    write_cache(cache, KEY, some_terms())
+    data = json.loads(cache.read_text())
+    if damage == "corrupt":
+        cache.write_text("{not json")
+    elif damage == "truncated":
+        cache.write_text(cache.read_text()[:200])
+    else:
+        if damage == "negative":
+            data["terms"]["overhead"]["zero3"] = [-1.0, 0.0]
+        elif damage == "foreign":
+            data["key"]["torch"] = "2.5.0"
+        elif damage == "old_format":
+            data["key"]["format"] = 0
+        else:
+            data["written_at"] = time.time() - 30 * 86400
+        cache.write_text(json.dumps(data))
+    with caplog.at_level("INFO"):
+        assert read_cache(cache, KEY) is None
+    notes = [r.getMessage() for r in caplog.records if "calibration cache" in r.getMessage()]
+    assert len(notes) == 1, notes
+    expected = {"corrupt": "corrupt", "truncated": "corrupt", "negative": "corrupt", "foreign": "foreign (measured "
+                "for another torch", "old_format": "stale", "too_old": "stale"}[damage]
+    assert expected in notes[0]
+
+
+def test_cluster_configs_give_complete_terms() -> None:
+    from osdp_lightning.cluster import cluster_config_dir, load_cluster_config
+
+    for path in sorted(cluster_config_dir().glob("*.yaml")):
+        terms = step_terms_from_config(load_cluster_config(path))
+        assert terms.is_valid(), path.name
+        assert terms.collective_s("all_gather", 2**20, 8) > terms.collective_s("all_gather", 2**10, 8) > 0
+
+
+@pytest.mark.multiprocess
+def test_calibration_on_two_ranks_is_positive_identical_and_cached(tmp_path: Path) -> None:
+    out = tmp_path / "calib"
+    proc = run_script("calibrate_check.py", "--out", str(out), cwd=tmp_path, env={CACHE_ENV: str(tmp_path / "cache")})
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+    first, second = ranks[0]["first"], ranks[0]["second"]
+    assert ranks[1] == ranks[0], "ranks calibrated different terms"
+    assert first["source"] == "measured at setup" and second["source"].startswith("cache ")
+    for part in ("collectives", "overhead", "optimizer"):
+        assert second[part] == first[part]
+    terms = StepTerms.from_dict(first)  # raises on anything missing, negative or not finite
+    for kind, cost in terms.collectives.items():
+        assert cost.constant_s > 0 and cost.per_byte_s > 0, kind
+    for kind, cost in terms.overhead.items():
+        assert cost.seconds(1, 2**20) > 0, kind
+    for kind, cost in terms.optimizer.items():
+        assert cost.seconds(2, 2**20) > 0, kind
+    assert 0 < first["calibrate_s"] and math.isfinite(first["calibrate_s"])
+    print(f"calibrate_s {first['calibrate_s']:.2f}")
+    assert list((tmp_path / "cache").glob("step_terms_cpu_w2_r2.json"))
+
+
+def test_step_terms_enter_the_predicted_step() -> None:
+    import dataclasses
+
+    from osdp_lightning.cluster import ClusterSpec
+    from osdp_lightning.plan import make_plan
+    from osdp_lightning.profile import ModelProfile, UnitProfile
+
+    width, world = 256, 2
+    sizes = [width * width + width] * 3 + [2 * width]  # three Linear units, a root holding a norm
+    units = tuple(UnitProfile(f"l{i}", (f"l{i}",), n, 0, 0.01, 0.02, 1000, tensor_count=2) for i, n in enumerate(sizes))
+    profile = ModelProfile(units=(*units[:-1], dataclasses.replace(units[-1], name="", module_names=("",))),
+                           micro_batch_size=2, param_bytes_per_element=4, grad_bytes_per_element=4,
+                           compute_bytes_per_element=4, reduce_bytes_per_element=4, optimizer_bytes_per_param=8,
+                           activation_bytes=10_000)
+    plain = ClusterSpec(world_size=world, memory_budget_bytes=2**40, collective_latency_s=1e-4,
+                        bandwidth_bytes_per_s=1e9)
+    terms = dataclasses.replace(some_terms(), collectives={"all_gather": Affine(1e-4, 1e-9),
+                                                           "reduce_scatter": Affine(2e-4, 3e-9),
+                                                           "all_reduce": Affine(3e-4, 4e-9)})
+    priced = dataclasses.replace(plain, step_terms=terms)
+
+    def comm_s(choice: str, nbytes: int) -> float:  # each kind at its own measured cost
+        gather, scatter = (terms.collective_s(k, nbytes, world) for k in ("all_gather", "reduce_scatter"))
+        return {"replicate": terms.collective_s("all_reduce", nbytes, world), "zero2": gather + scatter,
+                "zero3": 2 * gather + scatter}[choice]
+
+    for choice in ("replicate", "zero2", "zero3"):
+        before = make_plan(profile, plain, uniform_choice=choice)
+        after = make_plan(profile, priced, uniform_choice=choice)
+        overhead = sum(terms.overhead_s(choice, 1, 4 * n) for n in sizes)
+        optimizer = sum(terms.optimizer_s(choice, 2, 4 * n) for n in sizes)
+        comm = sum(comm_s(choice, 4 * n) for n in sizes)
+        assert after.predicted_overhead_s == pytest.approx(overhead) and overhead > 0
+        assert after.predicted_optimizer_s == pytest.approx(optimizer) and optimizer > 0
+        assert after.predicted_exposed_comm_s == pytest.approx(comm)
+        assert after.predicted_loop_s == terms.loop_step_s
+        assert after.predicted_compute_s == pytest.approx(before.predicted_compute_s) == pytest.approx(0.12)
+        assert after.predicted_step_s == pytest.approx(0.12 + optimizer + overhead + comm + terms.loop_step_s)
+        assert before.predicted_overhead_s == before.predicted_optimizer_s == before.predicted_loop_s == 0.0
+        assert "optimizer" in after.format_table() and after.step_terms_source == "defaults"

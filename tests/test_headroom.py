@@ -1,0 +1,133 @@
+"""The smallest budget that fits, under every headroom rule (issue 16): exact to the byte.
+
+A plan keeps ``max(headroom_bytes, headroom_fraction * budget)`` free. The smallest budget an
+InfeasibleBudgetError names must plan, and one byte less must not; a budget at or below the
+headroom is refused naming both figures and what to change.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from osdp_lightning import InfeasibleBudgetError, OSDPStrategy, make_plan
+from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.profile import ModelProfile, UnitProfile
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from toy_models import MLP  # noqa: E402
+
+_SMALLEST_RE = re.compile(r"smallest budget that fits is .*? \((\d+) bytes")
+
+
+def smallest_named(error: InfeasibleBudgetError) -> int:
+    match = _SMALLEST_RE.search(str(error))
+    assert match, str(error)
+    return int(match.group(1))
+
+
+def cluster(budget: int, headroom_bytes: int = 0, headroom_fraction: float = 0.0) -> ClusterSpec:
+    return ClusterSpec(world_size=4, memory_budget_bytes=budget, collective_latency_s=1e-5,
+                       bandwidth_bytes_per_s=1e10, headroom_bytes=headroom_bytes, headroom_fraction=headroom_fraction)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_smallest_budget_for_inverts_the_headroom_rule(seed: int) -> None:
+    rng = random.Random(seed)
+    spec = cluster(2**30, rng.choice((0, rng.randint(1, 10**9))), rng.choice((0.0, rng.uniform(0.0, 0.9))))
+    usable = rng.randint(1, 10**11)
+    smallest = spec.smallest_budget_for(usable)
+    assert smallest - spec.headroom_for(smallest) >= usable
+    assert smallest - 1 - spec.headroom_for(smallest - 1) < usable
+
+
+def synthetic_profile(seed: int) -> ModelProfile:
+    """A few Linear-like units of random sizes (fast to plan, several choices binding)."""
+    rng = random.Random(seed)
+    units = tuple(UnitProfile(name=f"u{i}", module_names=(f"u{i}",), param_count=rng.randint(10**4, 10**6),
+                              frozen_param_count=0, forward_s=rng.uniform(1e-4, 1e-3), backward_s=rng.uniform(2e-4, 2e-3),
+                              activation_bytes=rng.randint(10**4, 10**6)) for i in range(rng.randint(2, 6)))
+    return ModelProfile(units=units, micro_batch_size=4, param_bytes_per_element=4, grad_bytes_per_element=4,
+                        compute_bytes_per_element=4, reduce_bytes_per_element=4, optimizer_bytes_per_param=8,
+                        activation_bytes=sum(u.activation_bytes for u in units), fixed_bytes=rng.randint(0, 10**5))
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_the_named_smallest_budget_plans_and_one_byte_less_does_not(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    profile = synthetic_profile(seed)
+    rule = rng.choice(("bytes", "share", "both"))
+    headroom_bytes = rng.randint(1, 4 * 10**7) if rule != "share" else 0
+    fraction = rng.uniform(0.01, 0.6) if rule != "bytes" else 0.0
+    budget = rng.randint(10**5, 6 * 10**7)  # from below the headroom to roomy
+    try:
+        plan = make_plan(profile, cluster(budget, headroom_bytes, fraction))
+    except InfeasibleBudgetError as err:
+        smallest = smallest_named(err)
+        assert smallest > budget
+        fits = make_plan(profile, cluster(smallest, headroom_bytes, fraction))
+        assert fits.predicted_peak_bytes <= cluster(smallest, headroom_bytes, fraction).usable_bytes
+        with pytest.raises(InfeasibleBudgetError) as below:
+            make_plan(profile, cluster(smallest - 1, headroom_bytes, fraction))
+        assert smallest_named(below.value) == smallest  # the same figure from one byte below
+    else:
+        assert plan.predicted_peak_bytes <= cluster(budget, headroom_bytes, fraction).usable_bytes
+
+
+def test_a_budget_at_the_headroom_names_both_and_what_to_change() -> None:
+    profile = synthetic_profile(0)
+    with pytest.raises(InfeasibleBudgetError, match=r"(?s)budget of 1.00 MiB per rank is not more than the "
+                       r"headroom plans keep free, 1.00 MiB \(the larger of 1.00 MiB and 10% of the budget\).*"
+                       r"smallest budget that fits is .*cluster.headroom.*headroom=") as err:
+        make_plan(profile, cluster(2**20, 2**20, 0.1))
+    assert make_plan(profile, cluster(smallest_named(err.value), 2**20, 0.1)).solver_status == "Optimal"
+
+
+# -- the issue's three cases: osdp-plan model=gpt_small cluster=a100_80g_x8 (a dry run) ------------------
+@pytest.fixture(scope="module")
+def gpt_small_dry_run():
+    from osdp_lightning import dryrun
+    from osdp_lightning.cli.common import cluster_spec
+
+    cfg = dryrun.compose_config(["model=gpt_small", "cluster=a100_80g_x8"])
+    profile, _ = dryrun.estimate_recipe_profile(cfg, cluster_spec(cfg.cluster))
+    return profile
+
+
+def plan_osdp(profile: ModelProfile, budget: str) -> object:
+    """What osdp-plan plans (or says) for ``cluster.memory_budget=<budget>``."""
+    from osdp_lightning import dryrun
+    from osdp_lightning.cli.common import cluster_spec
+    from osdp_lightning.cli.plan import plan_all
+
+    cfg = dryrun.compose_config(["model=gpt_small", "cluster=a100_80g_x8", f"cluster.memory_budget={budget}"])
+    return plan_all(profile, cluster_spec(cfg.cluster), cfg)["osdp"]
+
+
+def test_gpt_small_on_a100_at_2_3_and_3_8_gib(gpt_small_dry_run) -> None:
+    at_headroom = plan_osdp(gpt_small_dry_run, "2GiB")  # was: ZeroDivisionError
+    assert isinstance(at_headroom, str)
+    assert re.search(r"budget of 2.00 GiB per rank is not more than the headroom plans keep free, 2.00 GiB", at_headroom)
+    assert "cluster.headroom" in at_headroom
+    too_small = plan_osdp(gpt_small_dry_run, "3GiB")  # was: a figure scaled as if the headroom were a share
+    assert isinstance(too_small, str) and "no plan fits the memory budget of 3.00 GiB" in too_small
+    smallest = int(_SMALLEST_RE.search(too_small).group(1))
+    assert smallest_named(InfeasibleBudgetError(at_headroom)) == smallest  # the same figure both times
+    assert plan_osdp(gpt_small_dry_run, str(smallest)).predicted_peak_bytes <= smallest - 2 * 2**30
+    assert isinstance(plan_osdp(gpt_small_dry_run, str(smallest - 1)), str)
+    roomy = plan_osdp(gpt_small_dry_run, "3.8GiB")
+    assert roomy.solver_status == "Optimal" and roomy.predicted_peak_bytes <= int(3.8 * 2**30) - 2 * 2**30
+
+
+def test_the_strategy_refuses_a_budget_at_its_headroom() -> None:
+    """Trainer(strategy=OSDPStrategy(...)) (and osdp-train, which builds it) plan through make_plan too."""
+    trainer = L.Trainer(strategy=OSDPStrategy(memory_budget="64MiB", headroom="64MiB"), accelerator="cpu", devices=1,
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(InfeasibleBudgetError, match=r"budget of 64.00 MiB per rank is not more than the headroom "
+                       r"plans keep free, 64.00 MiB: nothing fits.*smallest budget that fits is .* \(\d+ bytes"):
+        trainer.fit(MLP(width=32))

@@ -1,0 +1,141 @@
+"""The regret benchmark: k-best plans, random plans and the report in-process; one tiny 2-rank ranking run."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import compare, regret, regret_report
+from benchmarks.regret_candidates import (
+    Pricing,
+    next_best_candidates,
+    osdp_candidate,
+    random_assignments,
+    uniform_candidates,
+    usable_bytes,
+)
+from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.profile import ModelProfile, UnitProfile, with_parts
+from osdp_lightning.solve import peak_bytes, step_seconds
+
+MIB = 2**20
+
+
+def _pricing() -> Pricing:
+    units = tuple(UnitProfile(name=f"u{i}", module_names=(f"u{i}",), param_count=n, frozen_param_count=0,
+                              forward_s=1e-3 * (i + 1), backward_s=2e-3, activation_bytes=1000)
+                  for i, n in enumerate((300_000, 100_000, 200_000, 50_000)))
+    profile = ModelProfile(units=units, micro_batch_size=2, param_bytes_per_element=4, grad_bytes_per_element=4,
+                           compute_bytes_per_element=4, reduce_bytes_per_element=4, optimizer_bytes_per_param=8,
+                           activation_bytes=4000)
+    cluster = ClusterSpec(world_size=2, memory_budget_bytes=10**9, collective_latency_s=1e-4,
+                          bandwidth_bytes_per_s=1e9)
+    return Pricing.of(profile, cluster)
+
+
+def _all_fitting(pricing: Pricing, budget: int) -> list[tuple[float, tuple[str, ...]]]:
+    names = [[c.choice for c in unit.choices] for unit in pricing.table.units]
+    plans = [p for p in itertools.product(*names) if peak_bytes(pricing.table, p) <= budget]
+    return sorted((step_seconds(pricing.table, p), p) for p in plans)
+
+
+def test_next_best_plans_are_the_k_best_after_osdp() -> None:
+    pricing = _pricing()
+    replicate = uniform_candidates(pricing, 10**9)[0].plan.predicted_peak_bytes
+    budget = int(0.8 * replicate)
+    expected = _all_fitting(pricing, usable_bytes(budget))
+    osdp = osdp_candidate(pricing, budget, "80%")
+    assert osdp is not None and osdp.plan.predicted_step_s == pytest.approx(expected[0][0])
+    found = next_best_candidates(pricing, budget, osdp, 4, "80%")
+    assert [c.name for c in found] == [f"next-best {i} @ 80%" for i in range(1, 5)]
+    assert len({c.key for c in [osdp, *found]}) == 5
+    assert [c.plan.predicted_step_s for c in found] == pytest.approx([s for s, _ in expected[1:5]])
+
+
+def test_random_plans_fit_differ_and_spread() -> None:
+    pricing = _pricing()
+    budget = uniform_candidates(pricing, 10**9)[0].plan.predicted_peak_bytes
+    plans = random_assignments(pricing.table, budget, 8, seed=3)
+    assert len(plans) == len(set(plans)) >= 5
+    peaks = [peak_bytes(pricing.table, p) for p in plans]
+    assert max(peaks) <= usable_bytes(budget)
+    assert max(peaks) - min(peaks) > 0.2 * (usable_bytes(budget) - min(peaks))
+    assert plans == random_assignments(pricing.table, budget, 8, seed=3)  # seeded
+
+
+def test_spearman_with_ties() -> None:
+    assert regret_report.average_ranks([3.0, 1.0, 3.0, 2.0]) == [3.5, 1.0, 3.5, 2.0]
+    assert regret_report.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert regret_report.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert regret_report.spearman([1, 2], [1, 2]) is None
+
+
+def _candidate(name: str, kind: str, predicted_s: float, predicted_peak: int) -> dict:
+    return {"name": name, "kind": kind, "choices": ["zero2"], "units": ["u"], "predicted_step_s": predicted_s,
+            "predicted_peak_bytes": predicted_peak, "aliases": []}
+
+
+def _runs(name: str, tokens: tuple[float, float], peak: int) -> list[dict]:
+    return [{"candidate": name, "round": r, "status": "ok",
+             "summary": {"tokens_per_s": t, "step_s": 1000 / t, "peak_bytes": peak}} for r, t in enumerate(tokens)]
+
+
+def _shape() -> dict:
+    return {"shape": "s", "budgets": {"100%": 100 * MIB}, "settings": {"seq_len": 64}, "units": 1,
+            "replicate_peak_bytes": 99 * MIB,
+             "candidates": [_candidate("osdp @ 100%", "osdp", 0.10, 90 * MIB),
+                            _candidate("replicate", "uniform", 0.09, 110 * MIB),
+                            _candidate("random 1 @ 100%", "random", 0.12, 80 * MIB),
+                            _candidate("random 2 @ 100%", "random", 0.11, 85 * MIB)],
+             "runs": [*_runs("osdp @ 100%", (900, 450), 95 * MIB), *_runs("replicate", (1200, 600), 99 * MIB),
+                      *_runs("random 1 @ 100%", (1000, 400), 80 * MIB), *_runs("random 2 @ 100%", (2000, 1000), 101 * MIB)]}
+
+
+def test_budget_row_pairs_rounds_and_excludes_plans_over_budget() -> None:
+    shape = _shape()
+    row = regret_report.budget_row(shape, regret_report.measured(shape), "100%", 100 * MIB)
+    # replicate's measured peak fits, so it is a candidate although predicted over; random 2 is over budget.
+    assert row["candidates"] == 4 and row["fitting"] == 3 and row["over_budget"] == ["random 2 @ 100%"]
+    assert row["best"] == "replicate" and row["regret_ratio"] == pytest.approx(0.75)
+    assert row["osdp_rank"] == 3  # medians: replicate 900 and random 1 700 beat osdp 675
+    text = regret_report.regret_table([row])
+    assert "| s | 100% | 100.00 | 3 / 4 | 675 | replicate | 900 | 0.750 | 3 of 3 |" in text
+
+
+def test_outputs_are_written(tmp_path: Path) -> None:
+    text = regret_report.write_outputs(tmp_path, {"devices": 2, "rounds": 2}, [_shape()], plot=True)
+    assert "regret ratio >= 0.97 at every budget: MISSED (lowest 0.750)" in text
+    assert (tmp_path / "regret.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "regret_runs.json").read_text())["shapes"][0]["shape"] == "s"
+
+
+@pytest.mark.multiprocess
+def test_ranks_a_slow_plan_below_all_replicate(tmp_path: Path) -> None:
+    """The tiny GPT: all-replicate, osdp's plan and all-zero3 with every Linear split in 8 sharded
+    slices (24 collectives per Linear), one round on 2 ranks; the slow plan must rank last."""
+    (tmp_path / compare.CORPUS_FILE).write_text(Path(compare.__file__).read_text() * 20, encoding="utf-8")
+    args = argparse.Namespace(accelerator="cpu", devices=2, seed=0, run_timeout_s=900.0)
+    settings = {**compare.PRESETS["tiny"], "steps": 5}
+    pricing = regret.plan_shape("tiny", settings, args, tmp_path)
+    replicate = uniform_candidates(pricing, pricing.cluster.memory_budget_bytes)[0]
+    budget = replicate.plan.predicted_peak_bytes
+    parted = Pricing.of(with_parts(pricing.profile, [u.name for u in pricing.profile.units if u.parts]),
+                        pricing.cluster)
+    slow_choices = tuple(max((c.choice for c in u.choices if c.choice.startswith("split(k=8, sharded=8")),
+                             default="zero3") for u in parted.table.units)
+    assert sum(c.startswith("split") for c in slow_choices) >= 8  # 4 Linear layers per block, 2 blocks
+    candidates = [replicate, osdp_candidate(pricing, budget, "100%"), parted.candidate("slow", "slow", slow_choices, budget)]
+    runs = [regret.train(c, 0, settings, args, tmp_path, "tiny") for c in candidates]
+    assert all(r["status"] == "ok" for r in runs), [r.get("message", "")[:200] + r.get("message", "")[-1500:] for r in runs]
+    shape = {"shape": "tiny", "budgets": {"100%": budget}, "runs": runs,
+             "candidates": [{**c.as_dict(), "aliases": []} for c in candidates]}
+    rows = {r["name"]: r for r in regret_report.measured(shape)}
+    assert rows["slow"]["step_s"] > rows["replicate"]["step_s"]
+    row = regret_report.budget_row(shape, list(rows.values()), "100%", budget)
+    assert row["status"] == "ok" and row["candidates"] == 3
+    ranked = sorted(rows.values(), key=lambda r: -r["tokens_per_s"])
+    assert ranked[-1]["name"] == "slow"
