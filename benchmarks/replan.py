@@ -38,11 +38,14 @@ SPLIT_FACTORS = (2, 4, 8)  # the strategy's default
 
 def profile_from_dict(data: dict[str, Any]) -> ModelProfile:
     """The inverse of ``dataclasses.asdict`` for a profile read back from JSON (lists to tuples)."""
-    units = tuple(UnitProfile(**{**u, "module_names": tuple(u["module_names"]),
-                                 "linear_shape": tuple(u["linear_shape"]) if u.get("linear_shape") else None,
-                                 "split_overhead_s": tuple(tuple(x) for x in u.get("split_overhead_s", ()))})
-                  for u in data["units"])
-    return ModelProfile(**{**data, "units": units})
+    return ModelProfile(**{**data, "units": tuple(_unit_from_dict(u) for u in data["units"])})
+
+
+def _unit_from_dict(u: dict[str, Any]) -> UnitProfile:
+    return UnitProfile(**{**u, "module_names": tuple(u["module_names"]),
+                          "linear_shape": tuple(u["linear_shape"]) if u.get("linear_shape") else None,
+                          "split_overhead_s": tuple(tuple(x) for x in u.get("split_overhead_s", ())),
+                          "parts": tuple(_unit_from_dict(p) for p in u.get("parts", ()))})
 
 
 def priced_table(table: ChoiceTable, profile: ModelProfile, terms: dict[str, Any]) -> ChoiceTable:

@@ -34,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
-import pulp
 
+from osdp_lightning import solvers
 from osdp_lightning.cost import ChoiceCost, ChoiceTable, UnitCosts
 from osdp_lightning.solvers import (
     FEASIBLE,
@@ -48,6 +48,9 @@ from osdp_lightning.solvers import (
     pick_solver,
     run,
 )
+
+# NOTE: PuLP comes through solvers.py, whose import guard says how to install it when it is missing.
+pulp = solvers.pulp
 
 __all__ = ["FEASIBLE", "INFEASIBLE", "NOT_SOLVED", "OPTIMAL", "TIME_LIMIT", "Solution", "SolverUnavailableError",
            "knapsack_dp", "next_best_solutions", "peak_bytes", "peak_lower_bound", "smallest_feasible_budget",

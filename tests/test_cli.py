@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from osdp_lightning.budget import PLAN_HEADROOM_FRACTION
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -49,8 +51,9 @@ def test_osdp_train_under_a_budget_ddp_exceeds(tmp_path: Path) -> None:
     _, plan_dir = plan_gpt_tiny(tmp_path, "strategy.split_factors=[]")
     peaks = {r["strategy"]: r["predicted_peak_bytes"] for r in json.loads((plan_dir / "comparison.json").read_text())["rows"]}
     assert peaks["zero3"] < peaks["ddp"]
-    # Plans keep 5% of the budget free: a budget whose 95% lies between the two peaks.
-    budget = int((peaks["zero3"] + peaks["ddp"]) / 2 / 0.95)
+    # Plans keep a share of the budget free (the CPU default headroom): a budget whose usable part
+    # lies between the two peaks.
+    budget = int((peaks["zero3"] + peaks["ddp"]) / 2 / (1 - PLAN_HEADROOM_FRACTION))
     proc = run_cli("train", "model=gpt_tiny", "cluster=cpu_2", "trainer=smoke", f"cluster.memory_budget={budget}",
                    cwd=tmp_path)
     check_ok(proc)
