@@ -31,7 +31,7 @@ def test_main_job_shows_a_mixed_plan_its_comparison_picture_and_logged_predictio
     # the logger: the plan as hyperparameters, predicted against measured as metrics, side by side
     hparams = yaml.safe_load((run_dir / "csv" / "hparams.yaml").read_text())
     assert hparams["osdp/memory_budget_bytes"] == plan["memory_budget_bytes"]
-    assert hparams["osdp/ddp_fits"] is False and "zero3" in hparams["osdp/choices"]
+    assert hparams["osdp/ddp_fits"] is False and len(hparams["osdp/choices"].split(", ")) >= 2  # a mixed plan
     rows = list(csv.DictReader((run_dir / "csv" / "metrics.csv").open()))
     logged = next(r for r in rows if r.get("osdp/measured_peak_bytes"))
     summary = json.loads((run_dir / "summary.json").read_text())
