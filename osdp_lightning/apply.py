@@ -25,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from osdp_lightning.choices import apply_choice, mesh_group_sizes
 from osdp_lightning.plan import Plan
 from osdp_lightning.profile import ROOT
-from osdp_lightning.replicate import finish_replicate
+from osdp_lightning.replicate import build_replicate_reducer, finish_replicate
 
 
 @dataclass(frozen=True)
@@ -69,11 +69,14 @@ def with_group_meshes(meshes: Meshes, plan: Plan) -> Meshes:
 
 
 def apply_plan(model: nn.Module, root: nn.Module, plan: Plan, meshes: Meshes,
-               mp_policy: MixedPrecisionPolicy | None = None) -> None:
+               mp_policy: MixedPrecisionPolicy | None = None, build_reducer: bool = True) -> None:
     """Apply ``plan`` in place: units live inside ``model``; ``root`` is the outermost module.
 
     ``root`` may be ``model`` itself or a wrapper around it whose forward runs first (Lightning's
     wrapper dispatches to ``training_step``); FSDP2 makes the first module to run forward the root.
+    ``build_reducer=False`` leaves out the one step that talks to the other ranks (DDP's reducer
+    checks the replicated parameters with a collective): the caller first makes sure every rank got
+    this far, then calls :func:`~osdp_lightning.replicate.build_replicate_reducer`.
     """
     policy = mp_policy or MixedPrecisionPolicy()
     meshes = with_group_meshes(meshes, plan)
@@ -83,6 +86,8 @@ def apply_plan(model: nn.Module, root: nn.Module, plan: Plan, meshes: Meshes,
     apply_choice(root, (ROOT,), plan.choice_of(ROOT), meshes, policy)
     # Replicated units (and slices) were only marked: one DDP reducer takes all of them.
     finish_replicate(root, meshes.shard, policy)
+    if build_reducer:
+        build_replicate_reducer(root)
 
 
 def mixed_precision_policy(precision: str | None) -> MixedPrecisionPolicy:

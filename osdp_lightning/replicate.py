@@ -160,8 +160,8 @@ def marked_parameters(root: nn.Module) -> list[nn.Parameter]:
     return sorted(seen.values(), key=lambda p: order.get(id(p), len(order)))
 
 
-def finish_replicate(root: nn.Module, shard_mesh: Any, mp_policy: Any = None) -> ReplicateReducer | None:
-    """Build the reducer for every marked parameter; the last step of applying a plan.
+def finish_replicate(root: nn.Module, shard_mesh: Any, mp_policy: Any = None) -> None:
+    """Give ``root`` the ``fully_shard`` replicated units need around them; local to this rank.
 
     When some unit is sharded but ``root`` itself is not (its choice is ``replicate``), ``root``
     gets a ``fully_shard`` that owns no parameter: FSDP2 needs a root above its units (the root
@@ -175,6 +175,16 @@ def finish_replicate(root: nn.Module, shard_mesh: Any, mp_policy: Any = None) ->
     if params and sharded and not isinstance(root, FSDPModule):
         extra = {} if mp_policy is None else {"mp_policy": mp_policy}
         fully_shard(root, mesh=shard_mesh, ignored_params=set(params), **extra)
+
+
+def build_replicate_reducer(root: nn.Module) -> ReplicateReducer | None:
+    """Build DDP's reducer for every marked parameter; the last step of applying a plan.
+
+    DDP's constructor checks the parameters across ranks with a collective, so every rank must call
+    this, and only once every rank applied the rest of the plan (a rank that failed before would
+    leave the others blocked in that collective).
+    """
+    params = marked_parameters(root)
     return apply_replicate(root, params) if params else None
 
 

@@ -56,6 +56,7 @@ from osdp_lightning.profile import (
     preserved_rng,
     profile_lightning_module,
 )
+from osdp_lightning.replicate import build_replicate_reducer
 from osdp_lightning.report import format_comparison, log_plan
 from osdp_lightning.shutdown import release_at_exit
 from osdp_lightning.step_terms import StepTerms, default_loop_step_s
@@ -233,7 +234,8 @@ class OSDPStrategy(ModelParallelStrategy):
             self._meshes = self._meshes or build_meshes(self.root_device.type, self.world_size)
             self._root = _RootWrapper(module)
             with all_ranks_succeed("applying the osdp plan"):  # no rank waits for a failed one
-                apply_plan(module, self._root, self._plan, self._meshes)
+                apply_plan(module, self._root, self._plan, self._meshes, build_reducer=False)
+            build_replicate_reducer(self._root)  # a collective: only once every rank applied its part
             self.model = self._root
             release_at_exit(self)  # the process groups must not outlive the interpreter (shutdown.py)
             self.setup_s = {

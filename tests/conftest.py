@@ -13,10 +13,21 @@ import pytest
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
+# Set by torch.distributed / Lightning for a process group; a child process must pick its own.
+DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
+            "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a fresh launch: no process-group variables, unbuffered output."""
+    inherited = {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+    return {**inherited, "PYTHONUNBUFFERED": "1", **extra}
+
+
 def run_script(script: str, *args: str, cwd: Path, timeout_s: float = 240,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``tests/scripts/<script>`` with Python; Lightning's launcher starts the other ranks."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = child_env(**(env or {}))
     proc = subprocess.run([sys.executable, str(SCRIPTS / script), *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout_s)
     return proc
@@ -40,3 +51,22 @@ def _calibration_cache_in_a_temporary_directory(tmp_path_factory: pytest.TempPat
     """Step-term calibrations of this session (every 2-rank run inherits the variable) are cached in
     a temporary directory: a test neither reads nor leaves the machine's ``~/.cache/osdp_lightning``."""
     os.environ["OSDP_LIGHTNING_CACHE_DIR"] = str(tmp_path_factory.mktemp("osdp_calibration"))
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_outlives_a_test():
+    """A test that trains in this process (``Trainer(devices=1)``) leaves Lightning's process group, its
+    TCPStore listening on MASTER_PORT, and the MASTER_* variables behind; later 2-rank launches would
+    inherit that port (EADDRINUSE) and later in-process groups would find one already initialised.
+    Lightning's own test suite tears the group down after each test the same way."""
+    import torch.distributed as dist
+
+    before = {k: os.environ.get(k) for k in DIST_ENV}
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

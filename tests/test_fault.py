@@ -21,10 +21,7 @@ BOUND_S = 60  # far below the 30-minute default collective timeout
 
 # NOTE: profiling and solving both run on rank 0 inside one try block whose outcome (plan or error)
 # is broadcast; "profile" covers that path, "apply" the all-gather of a status after apply_plan.
-@pytest.mark.parametrize("stage", ["profile", pytest.param("apply", marks=pytest.mark.xfail(
-    reason="known regression (issue 17): the DDP reducer built at the end of apply_plan runs a collective on the "
-           "ranks that did not fail, so gloo aborts (exit -6) instead of exiting 1; build it after the "
-           "all-ranks check", strict=False))])
+@pytest.mark.parametrize("stage", ["profile", "apply"])
 def test_a_rank_raising_in_setup_stops_every_rank_quickly(tmp_path: Path, stage: str) -> None:
     done = run_logged([script("fault_setup.py"), "--fail", stage, "--out", str(tmp_path)], tmp_path / "log",
                       timeout_s=BOUND_S + 30)
