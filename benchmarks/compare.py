@@ -67,14 +67,20 @@ def build_parser() -> argparse.ArgumentParser:
                              "(needs fsdp2 and osdp in --methods)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--run-timeout-s", type=float, default=900.0)
-    parser.add_argument("--out-dir", type=Path, default=Path("bench_out/compare"))
+    add_run_arguments(parser, "compare", run_timeout_s=900.0)
+    return parser
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, name: str, run_timeout_s: float) -> None:
+    """Launch and output options of the benchmarks that launch :func:`launch` runs (compare,
+    regret); ``name`` names the output folder and the runs file."""
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--run-timeout-s", type=float, default=run_timeout_s)
+    parser.add_argument("--out-dir", type=Path, default=Path(f"bench_out/{name}"))
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--report-only", type=Path, default=None, metavar="RUNS_JSON",
-                        help="re-render the tables and plot of an earlier compare_runs.json into --out-dir")
-    return parser
+                        help=f"re-render the tables and plot of an earlier {name}_runs.json into --out-dir")
 
 
 def resolve_defaults(args: argparse.Namespace) -> None:

@@ -31,9 +31,18 @@ def progress_line(record: dict[str, Any]) -> str:
     if record["status"] != "ok":
         return f"{head} ERROR ({record['message'].splitlines()[0] if record['message'] else ''})"
     s = record["summary"]
-    return (f"{head} {s['tokens_per_s']:8.0f} tokens/s  step {s['step_s']:.4f} s (predicted "
-            f"{_fmt(s['predicted_step_s'], '.4f')})  peak {_mib(s['peak_bytes'])} MiB (predicted "
-            f"{_mib(s['predicted_peak_bytes'])})  [{record['wall_s']:.0f} s, load {record['load_average']}]")
+    measured = measured_text(record, s["predicted_step_s"], s["predicted_peak_bytes"])
+    return f"{head} {s['tokens_per_s']:8.0f} tokens/s  {measured}"
+
+
+def measured_text(record: dict[str, Any], predicted_step_s: float | None,
+                  predicted_peak_bytes: int | None) -> str:
+    """A finished run's step and peak beside their predictions, its wall time and the load
+    (the progress lines of compare and regret)."""
+    s = record["summary"]
+    return (f"step {s['step_s']:.4f} s (predicted {_fmt(predicted_step_s, '.4f')})  "
+            f"peak {_mib(s['peak_bytes'])} MiB (predicted {_mib(predicted_peak_bytes)})  "
+            f"[{record['wall_s']:.0f} s, load {record['load_average']}]")
 
 
 def _mib(n: float | None) -> str:

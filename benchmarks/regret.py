@@ -58,12 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--next-best", type=int, default=3, help="next-best solver plans per budget")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0, help="training seed; random plans use it too")
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--run-timeout-s", type=float, default=600.0)
-    parser.add_argument("--out-dir", type=Path, default=Path("bench_out/regret"))
-    parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--report-only", type=Path, default=None, metavar="RUNS_JSON",
-                        help="re-render the tables and plot of an earlier regret_runs.json into --out-dir")
+    compare.add_run_arguments(parser, "regret", run_timeout_s=600.0)
     return parser
 
 

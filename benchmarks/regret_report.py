@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.compare_report import measured_text
 from benchmarks.regret_candidates import usable_bytes
 
 MIB = 2**20
@@ -25,10 +26,7 @@ def progress_line(record: dict[str, Any], cand: Any) -> str:
     head = f"    round {record['round']}  {record['candidate']:<22}"
     if record["status"] != "ok":
         return f"{head} ERROR ({(record.get('message') or '').strip()[-300:]})"
-    s = record["summary"]
-    return (f"{head} step {s['step_s']:.4f} s (predicted {cand.plan.predicted_step_s:.4f})  peak "
-            f"{s['peak_bytes'] / MIB:.2f} MiB (predicted {cand.plan.predicted_peak_bytes / MIB:.2f})  "
-            f"[{record['wall_s']:.0f} s, load {record['load_average']}]")
+    return f"{head} {measured_text(record, cand.plan.predicted_step_s, cand.plan.predicted_peak_bytes)}"
 
 
 def average_ranks(values: list[float]) -> list[float]:

@@ -37,13 +37,10 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from benchmarks.split_bench import free_port
-from benchmarks.step_anatomy import _Root, make_module
+from benchmarks.step_anatomy import WORLD, _Root, join_group, make_module, model_parser, rank_batch, spawn
 
-WORLD = 2
 MIXED_ZERO3 = ("net.h.1", "net.h.3")
 """The units the mixed plan shards (zero3); every other unit, and the root, is replicated."""
 Builder = Callable[[nn.Module, nn.Module], nn.Module]
@@ -195,14 +192,9 @@ def build_all(args: argparse.Namespace, batch: dict) -> dict[str, tuple[nn.Modul
 
 
 def bench(rank: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
+    join_group(rank, port)
     try:
-        tokens = torch.randint(0, 256, (args.batch_size, args.seq_len + 1),
-                               generator=torch.Generator().manual_seed(rank))
-        batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
-        built = build_all(args, batch)
+        built = build_all(args, rank_batch(rank, args))
         losses = {name: [step(*pair)[1] for _ in range(2)] for name, pair in built.items()}  # warm-up
         rounds: dict[str, list[float]] = {name: [] for name in built}
         best: dict[str, float] = {name: float("inf") for name in built}
@@ -246,17 +238,11 @@ def report(rounds: dict[str, list[float]], best: dict[str, float], peaks: dict[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=384)
-    parser.add_argument("--n-head", type=int, default=6)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=2)
+    parser = model_parser(__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--only", default=None, help="comma-separated candidate names")
-    args = parser.parse_args()
-    mp.spawn(bench, args=(free_port(), args), nprocs=WORLD)
+    spawn(bench, parser.parse_args())
 
 
 if __name__ == "__main__":

@@ -54,6 +54,37 @@ def make_module(args: argparse.Namespace) -> nn.Module:
     return GPTLitModule(GPT(config))
 
 
+def model_parser(description: str) -> argparse.ArgumentParser:
+    """A command line with the GPT's shape and micro-batch (what :func:`make_module` and
+    :func:`rank_batch` read); the benchmark adds its own options."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=384)
+    parser.add_argument("--n-head", type=int, default=6)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=2)
+    return parser
+
+
+def spawn(bench: Callable[[int, int, argparse.Namespace], None], args: argparse.Namespace) -> None:
+    """``bench(rank, port, args)`` on every rank of the job."""
+    mp.spawn(bench, args=(free_port(), args), nprocs=WORLD)
+
+
+def join_group(rank: int, port: int) -> None:
+    """This process as one rank of the gloo job, one thread (the ranks share the machine's cores)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+
+
+def rank_batch(rank: int, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """A micro-batch of random tokens, its own on every rank."""
+    tokens = torch.randint(0, 256, (args.batch_size, args.seq_len + 1),
+                           generator=torch.Generator().manual_seed(rank))
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+
 def timed_step(root: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, float, float]:
     """(forward, backward, optimizer) seconds of one step."""
     t0 = time.perf_counter()
@@ -123,13 +154,10 @@ def build_variants(module: nn.Module, batch: dict, plan) -> dict[str, tuple[nn.M
 
 
 def bench(rank: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
+    join_group(rank, port)
     try:
         module = make_module(args)
-        tokens = torch.randint(0, 256, (args.batch_size, args.seq_len + 1), generator=torch.Generator().manual_seed(rank))
-        batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+        batch = rank_batch(rank, args)
         predicted, unit_params, info = plan_and_profile(module, batch, args)
         variants = build_variants(module, batch, info.pop("plans"))
         bare = {layout: bare_collectives(layout, unit_params) for layout in LAYOUTS}
@@ -173,15 +201,9 @@ def report(samples: dict, predicted: dict, info: dict, args: argparse.Namespace)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=384)
-    parser.add_argument("--n-head", type=int, default=6)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=2)
+    parser = model_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
-    args = parser.parse_args()
-    mp.spawn(bench, args=(free_port(), args), nprocs=WORLD)
+    spawn(bench, parser.parse_args())
 
 
 if __name__ == "__main__":

@@ -182,8 +182,9 @@ def test_split_choice_cost_hand_computed() -> None:
     assert cost.choice == str(split_choice(4, 3)) == "split(k=4, sharded=3)"
     assert cost.state_bytes == 3 * 32768 // 2 + 32768 + 64 * 16
     assert cost.held_bytes == 0  # the replicated slice is a plain tensor on DDP's reducer: no copy
-    # Two sharded slices in flight, one reduce-scatter output shard, the bias gradient.
-    assert cost.transient_bytes == 2 * (8192 + 8192) + 4096 + 256
+    # Two sharded slices in flight, the replicated slice's gradient twice (autograd's and the
+    # bucket's), one reduce-scatter output shard, the bias gradient.
+    assert cost.transient_bytes == 2 * (8192 + 8192) + 2 * 8192 + 4096 + 256
     all_gather = 1e-3 + 8192 * 0.5 / 1e6
     all_reduce = 1e-3 + 2 * 8192 * 0.5 / 1e6
     # the replicated slice's gradient rides in DDP's buckets (bytes, no launch of its own)
@@ -203,7 +204,8 @@ def test_split_transient_falls_with_k() -> None:
         assert transients[-1] == weight_zero3 * (2 + 0.25) / k + 256
     assert zero3 > transients[0] > transients[1]
     one = split_cost(unit, profile, cluster, 4, 1)
-    assert one.transient_bytes == 8192 + 2 * 8192 + 4096 + 256  # sharded slice next to a replicated one
+    # one sharded slice in flight; three replicated slices' gradients, each twice until the bucket's all-reduce
+    assert one.transient_bytes == (8192 + 8192) + 3 * 2 * 8192 + 4096 + 256
     with pytest.raises(ValueError, match="no measured split overhead"):
         split_cost(unit, profile, cluster, 2, 1)
     with pytest.raises(ValueError, match="does not split"):

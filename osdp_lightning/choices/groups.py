@@ -8,17 +8,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from osdp_lightning.choices.base import Choice, ChoiceFamily, ChoiceOptions, fully_shard_apply
+from osdp_lightning.choices.zero3 import sharded_cost
 from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.cost import (
-    ChoiceCost,
-    CostContext,
-    UnitBytes,
-    all_gather_s,
-    all_reduce_s,
-    ceil_div,
-    reduce_scatter_s,
-)
+from osdp_lightning.cost import ChoiceCost, CostContext, UnitBytes, all_reduce_s, ceil_div
 from osdp_lightning.profile import UnitProfile
 
 
@@ -54,39 +49,22 @@ def hsdp_cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost
     on different nodes whenever there are several."""
     group, cluster = choice["g"], ctx.cluster
     _check_group(group, cluster)
-    b = UnitBytes.of(unit, ctx.profile)
-    in_group_s = 2 * all_gather_s(b.gathered, group, cluster) + ctx.once_per_step_s(
-        reduce_scatter_s(b.reduced, group, cluster))
+    # zero3 inside the group (its machinery priced as zero3 groups: step_terms.MACHINERY), plus the all-reduce
+    in_group = sharded_cost(unit, choice, ctx, gathers=(group, group), shard=group)
     across_nodes = cluster.num_nodes > 1
-    across_s = ctx.once_per_step_s(all_reduce_s(ceil_div(b.reduced, group), cluster.world_size // group, cluster,
+    reduced = UnitBytes.of(unit, ctx.profile).reduced
+    across_s = ctx.once_per_step_s(all_reduce_s(ceil_div(reduced, group), cluster.world_size // group, cluster,
                                                 crosses_nodes=across_nodes))
-    exposed_s = ((2 + ctx.once_per_step_s(1)) * cluster.link(cluster.crosses_nodes(group))[0]
-                 + ctx.once_per_step_s(cluster.link(across_nodes)[0]))
-    overhead_s, optimizer_s = ctx.machinery_s(unit, "hsdp")  # priced as zero3 groups (step_terms.MACHINERY)
-    kept = ctx.kept_grad_bytes(b.grads)  # accumulating: the unsharded gradient lives through the step
-    return ChoiceCost(str(choice), ceil_div(b.state, group) + kept, 0, b.gathered + b.grads - kept, ctx.compute_s(unit),
-                      in_group_s + across_s, prefetch_bytes=b.gathered, exposed_s=exposed_s,
-                      overhead_s=overhead_s, optimizer_s=optimizer_s,
-                      activation_bytes=ctx.activation_bytes(unit))
+    return dataclasses.replace(in_group, comm_s=in_group.comm_s + across_s,
+                               exposed_s=in_group.exposed_s + ctx.once_per_step_s(cluster.link(across_nodes)[0]))
 
 
 def zero3_reshard_cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
     """Sharded over all W ranks; 1/group of the gathered parameters held until backward; the
     forward all-gather and the reduce-scatter span all W ranks, the backward all-gather a group."""
-    group, cluster = choice["reshard"], ctx.cluster
-    _check_group(group, cluster)
-    b = UnitBytes.of(unit, ctx.profile)
-    world = cluster.world_size
-    comm_s = (all_gather_s(b.gathered, world, cluster) + all_gather_s(b.gathered, group, cluster)
-              + ctx.once_per_step_s(reduce_scatter_s(b.reduced, world, cluster)))
-    exposed_s = ((1 + ctx.once_per_step_s(1)) * cluster.link(cluster.crosses_nodes(world))[0]
-                 + cluster.link(cluster.crosses_nodes(group))[0])
-    overhead_s, optimizer_s = ctx.machinery_s(unit, "zero3")
-    kept = ctx.kept_grad_bytes(b.grads)  # accumulating: the unsharded gradient lives through the step
-    return ChoiceCost(str(choice), ceil_div(b.state, world) + kept, ceil_div(b.gathered, group), b.gathered + b.grads - kept,
-                      ctx.compute_s(unit), comm_s, prefetch_bytes=b.gathered, exposed_s=exposed_s,
-                      overhead_s=overhead_s, optimizer_s=optimizer_s,
-                      activation_bytes=ctx.activation_bytes(unit))
+    group = choice["reshard"]
+    _check_group(group, ctx.cluster)
+    return sharded_cost(unit, choice, ctx, gathers=(ctx.cluster.world_size, group), held=group)
 
 
 def hsdp_kwargs(choice: Choice, meshes: object) -> dict:

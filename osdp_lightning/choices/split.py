@@ -37,11 +37,12 @@ def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
     peak minus start-of-step bytes):
 
     - held: nothing (a replicated slice computes with its own parameter);
-    - transient: slices run one after another, but FSDP2's backward prefetch gathers the next
-      slice while the current one's gradient is reduced, so two consecutive slices are in flight
-      (the pair rule the ILP applies between units, applied inside the unit); a sharded slice
-      costs its gathered weight and gradient, a replicated one its gradient; plus one sharded
-      slice's reduce-scatter output (added into the existing gradient shard) and the bias gradient;
+    - transient: sharded slices run one after another, but FSDP2's backward prefetch gathers the
+      next slice while the current one's gradient is reduced, so two consecutive sharded slices
+      are in flight (the pair rule the ILP applies between units, applied inside the unit), each
+      its gathered weight and gradient; every replicated slice's gradient twice (autograd's tensor
+      and the bucket's copy, alive until the bucket's all-reduce); plus one sharded slice's
+      reduce-scatter output (added into the existing gradient shard) and the bias gradient;
     - communication: one all-gather group per sharded slice (latency paid per slice: two
       all-gathers and a reduce-scatter each); the replicated slices' gradients ride in DDP's
       buckets and the bias gradient in the enclosing unit's collective (bytes, no extra latency);
@@ -78,9 +79,11 @@ def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
     gathered = slice_params * profile.compute_bytes_per_element
     grads = slice_trainable * profile.grad_bytes_per_element
     reduced = slice_trainable * profile.reduce_bytes_per_element
-    # Per-slice transients in backward order (sharded slices first in forward, so last in backward).
-    per_slice = [grads] * replicated + [gathered + grads] * sharded
-    in_flight = max(a + b for a, b in zip(per_slice, per_slice[1:], strict=False))
+    # Sharded slices: two consecutive ones in flight (FSDP2's backward prefetch). Replicated slices:
+    # each gradient exists twice until the reducer all-reduces the bucket at the end of backward
+    # (autograd's tensor and its copy in the bucket; measured with FSDPMemTracker on 2 gloo ranks,
+    # tests/scripts/split_fsdp_check.py), for every replicated slice at once.
+    in_flight = min(sharded, 2) * (gathered + grads) + 2 * replicated * grads
     # Accumulating: each sharded slice keeps its unsharded gradient through the step (its in-flight
     # gradient is then that tensor; counted in both places, an upper bound).
     state += ctx.kept_grad_bytes(sharded * grads)

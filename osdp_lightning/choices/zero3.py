@@ -13,19 +13,47 @@ from osdp_lightning.profile import UnitProfile
 CHOICE = Choice("zero3")
 
 
+def _latency_s(ctx: CostContext, ranks: int) -> float:
+    """Launch latency of a collective over ``ranks`` consecutive ranks."""
+    cluster = ctx.cluster
+    if ranks == cluster.world_size:
+        return ctx.world_latency_s()
+    return cluster.link(cluster.crosses_nodes(ranks))[0]
+
+
+def sharded_cost(unit: UnitProfile, choice: Choice, ctx: CostContext, *, gathers: tuple[int, ...],
+                 held: int = 0, shard: int | None = None) -> ChoiceCost:
+    """The cost of every FSDP2 layout (zero2, zero3, zero3(reshard=G), hsdp's part in its group).
+
+    State sharded over ``shard`` ranks (default all), one reduce-scatter over them per optimizer
+    step, and one all-gather of the parameters per entry of ``gathers`` (the ranks it spans).
+    ``held``: the gathered parameters kept from forward to backward, 0 none (transient: what a
+    neighbour's prefetch overlaps), 1 all (zero2: no second gather), G a 1/G shard (reshard=G).
+    The machinery is priced as the choice's kind.
+    """
+    b, cluster = UnitBytes.of(unit, ctx.profile), ctx.cluster
+    shard = cluster.world_size if shard is None else shard
+    # NOTE: gathers over the shard ranks are counted, their latency multiplied, as each layout's own
+    # formula did: every layout's cost stays the same to the bit.
+    comm_s = sum(all_gather_s(b.gathered, ranks, cluster) for ranks in gathers) + ctx.once_per_step_s(
+        reduce_scatter_s(b.reduced, shard, cluster))
+    exposed_s = ((gathers.count(shard) + ctx.once_per_step_s(1)) * _latency_s(ctx, shard)
+                 + sum(_latency_s(ctx, ranks) for ranks in gathers if ranks != shard))
+    overhead_s, optimizer_s = ctx.machinery_s(unit, choice.kind)
+    kept = ctx.kept_grad_bytes(b.grads)  # accumulating: the unsharded gradient lives through the step
+    whole = held == 1  # zero2: the gathered copy is held, not transient, and nothing is prefetched
+    return ChoiceCost(str(choice), ceil_div(b.state, shard) + kept, ceil_div(b.gathered, held) if held else 0,
+                      (0 if whole else b.gathered) + b.grads - kept, ctx.compute_s(unit), comm_s,
+                      prefetch_bytes=None if whole else b.gathered, exposed_s=exposed_s,
+                      overhead_s=overhead_s, optimizer_s=optimizer_s,
+                      activation_bytes=ctx.activation_bytes(unit))
+
+
 def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
     """Sharded state; gathered parameters and unsharded gradients are transient (the parameters
     are what a neighbour's prefetch overlaps)."""
-    b, cluster = UnitBytes.of(unit, ctx.profile), ctx.cluster
-    world = cluster.world_size
-    comm_s = 2 * all_gather_s(b.gathered, world, cluster) + ctx.once_per_step_s(reduce_scatter_s(b.reduced, world, cluster))
-    overhead_s, optimizer_s = ctx.machinery_s(unit, "zero3")
-    kept = ctx.kept_grad_bytes(b.grads)  # accumulating: the unsharded gradient lives through the step
-    return ChoiceCost(str(choice), ceil_div(b.state, world) + kept, 0, b.gathered + b.grads - kept,
-                      ctx.compute_s(unit), comm_s, prefetch_bytes=b.gathered,
-                      exposed_s=(2 + ctx.once_per_step_s(1)) * ctx.world_latency_s(),
-                      overhead_s=overhead_s, optimizer_s=optimizer_s,
-                      activation_bytes=ctx.activation_bytes(unit))
+    world = ctx.cluster.world_size
+    return sharded_cost(unit, choice, ctx, gathers=(world, world))
 
 
 def space(_options: ChoiceOptions, _cluster: ClusterSpec) -> tuple[Choice, ...]:

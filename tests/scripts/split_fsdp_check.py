@@ -134,21 +134,25 @@ def memory_profile(k: int) -> tuple:
 def measure_step_bytes(meshes: tuple, k: int, sharded: int) -> int:
     """Peak minus start-of-step bytes of one forward+backward (gradients preallocated)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    from osdp_lightning.replicate import build_replicate_reducer, finish_replicate
     from osdp_lightning.split import shard_split_linear, split_linear_in_module
 
-    shard, replicate = meshes
+    shard, _replicate = meshes
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
                           nn.Linear(HIDDEN, 8))
     if k == 1:
         fully_shard(model[2], mesh=shard, reshard_after_forward=True)
-    else:
-        shard_split_linear(split_linear_in_module(model, "2", k), sharded, shard, replicate)
+    else:  # as plans apply it: replicated slices on DDP's reducer (what the cost prices)
+        shard_split_linear(split_linear_in_module(model, "2", k), sharded, shard, None)
     for index in (0, 4):
         fully_shard(model[index], mesh=shard)
-    fully_shard(model, mesh=shard)
+    finish_replicate(model, shard)  # the root's fully_shard, replicated slices left to the reducer
+    if not isinstance(model, FSDPModule):
+        fully_shard(model, mesh=shard)
+    build_replicate_reducer(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     x = torch.randn(4, 32)
     for _ in range(2):  # optimizer state and gradient shards exist before the measured step

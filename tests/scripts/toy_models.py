@@ -42,7 +42,21 @@ class LossRecorder(L.LightningModule):
                           generator=torch.Generator().manual_seed(7))
 
 
-class MLP(LossRecorder):
+class Regression(LossRecorder):
+    """Data and loss of the MLPs: regress the sum of the first 4 of ``width`` inputs."""
+
+    width: int
+
+    def make_data(self, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(256, self.width, generator=g)
+        return x, x[:, :4].sum(dim=1, keepdim=True)
+
+    def compute_loss(self, batch) -> torch.Tensor:  # noqa: ANN001
+        x, y = batch
+        return nn.functional.mse_loss(self.predict(x), y)
+
+
+class MLP(Regression):
     def __init__(self, width: int = 256, depth: int = 4) -> None:
         super().__init__()
         layers: list[nn.Module] = []
@@ -51,13 +65,8 @@ class MLP(LossRecorder):
         self.net = nn.Sequential(*layers, nn.Linear(width, 1))
         self.width = width
 
-    def make_data(self, g: torch.Generator) -> tuple[torch.Tensor, ...]:
-        x = torch.randn(256, self.width, generator=g)
-        return x, x[:, :4].sum(dim=1, keepdim=True)
-
-    def compute_loss(self, batch) -> torch.Tensor:  # noqa: ANN001
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
 
 
 class TorchTransformer(LossRecorder):
@@ -108,7 +117,7 @@ class TiedLM(LossRecorder):
         return nn.functional.cross_entropy(self.head(h).reshape(-1, VOCAB), y.reshape(-1))
 
 
-class DropoutMLP(LossRecorder):
+class DropoutMLP(Regression):
     """Blocks of Linear, ReLU and dropout: a checkpointed block must redraw the same dropout masks."""
 
     def __init__(self, width: int = 256, depth: int = 4, p: float = 0.2) -> None:
@@ -118,15 +127,10 @@ class DropoutMLP(LossRecorder):
         self.head = nn.Linear(width, 1)
         self.width = width
 
-    def make_data(self, g: torch.Generator) -> tuple[torch.Tensor, ...]:
-        x = torch.randn(256, self.width, generator=g)
-        return x, x[:, :4].sum(dim=1, keepdim=True)
-
-    def compute_loss(self, batch) -> torch.Tensor:  # noqa: ANN001
-        x, y = batch
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = x + block(x)  # (B, width)
-        return nn.functional.mse_loss(self.head(x), y)
+        return self.head(x)
 
 
 MODELS = {"mlp": MLP, "transformer": TorchTransformer, "tied_lm": TiedLM, "dropout_mlp": DropoutMLP}
