@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 
 MIB = 2**20
-COLORS = {"ddp": "tab:blue", "zero2": "tab:orange", "zero3": "tab:red", "osdp": "tab:green"}
+COLORS = {"ddp": "tab:blue", "osdp-replicate": "tab:cyan", "osdp-default": "tab:olive", "zero2": "tab:orange",
+          "zero3": "tab:red", "fsdp2": "tab:purple", "fsdp2-ckpt": "tab:pink", "osdp": "tab:green"}
+"""One colour per method of ``compare.BASELINES`` and osdp; a test keeps them in step."""
 
 
 def _base(method_label: str) -> str:

@@ -173,3 +173,9 @@ def test_replan_reads_back_a_profile_and_prices_choices() -> None:
     priced = replan.priced_table(table, profile, terms)
     extra = [p.compute_s - c.compute_s for p, c in zip(priced.units[0].choices, table.units[0].choices, strict=True)]
     assert extra == pytest.approx([1e-3, 2e-3, 3e-3])
+
+
+def test_every_method_has_a_colour_in_the_plot() -> None:
+    from benchmarks import compare, compare_plot
+
+    assert set(compare.BASELINES) | {"osdp"} <= set(compare_plot.COLORS)
