@@ -119,6 +119,9 @@ def test_mixed_plan_with_checkpointed_blocks_and_dropout_matches_ddp(train) -> N
         assert len(ref["losses"]) == len(got["losses"]) == 4
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4)
     assert len(set(ddp[0]["losses"])) > 1  # it trained
+    # checkpointed units are priced as an upper bound (recomputed activations counted at the peak)
+    predicted, measured = osdp[0]["plan"]["predicted_peak_bytes"], osdp[0]["summary"]["peak_bytes"]
+    assert measured <= predicted <= 1.15 * measured, (predicted, measured)
 
 
 def test_checkpointing_does_not_change_the_loss_of_one_process() -> None:

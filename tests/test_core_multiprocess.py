@@ -23,6 +23,10 @@ from osdp_lightning.solve import peak_bytes, smallest_feasible_budget  # noqa: E
 pytestmark = pytest.mark.multiprocess
 REL_TOL = 1e-4
 PEAK_TOL = 0.15
+# NOTE: these tests are about sharding mixes. Whether the solver also checkpoints a unit depends on
+# calibrated timings, and checkpointed units are predicted high (an upper bound, tested in
+# test_checkpointing.py), so a solved mix is kept to sharding choices for a deterministic check.
+SHARDING_ONLY = ("--activation-checkpointing", "never")
 
 
 def budget_forcing_a_mix(model_name: str) -> int:
@@ -62,7 +66,7 @@ def test_mlp_matches_ddp_for_replicate_zero3_and_mixed_plans(train, tmp_path: Pa
         plan = assert_plan_and_memory(osdp)
         assert {u["choice"] for u in plan["units"]} == {uniform}
     budget = budget_forcing_a_mix("mlp")
-    mixed = train("mixed", "--model", "mlp", "--budget", str(budget), "--split-factors", "")
+    mixed = train("mixed", "--model", "mlp", "--budget", str(budget), "--split-factors", "", *SHARDING_ONLY)
     assert_same_losses(ddp, mixed)
     plan = assert_plan_and_memory(mixed)
     assert len({u["choice"] for u in plan["units"]}) >= 2, plan["units"]
@@ -85,7 +89,7 @@ def test_torch_transformer_matches_ddp_under_zero3(train) -> None:
 def test_tied_language_model_matches_ddp_with_a_solved_mix(train) -> None:
     ddp = train("ddp", "--model", "tied_lm", "--strategy", "ddp")
     budget = budget_forcing_a_mix("tied_lm")
-    osdp = train("mixed", "--model", "tied_lm", "--budget", str(budget), "--split-factors", "")
+    osdp = train("mixed", "--model", "tied_lm", "--budget", str(budget), "--split-factors", "", *SHARDING_ONLY)
     assert_same_losses(ddp, osdp)
     plan = assert_plan_and_memory(osdp)
     tied = [u for u in plan["units"] if u["name"] == "embed+head"]

@@ -21,9 +21,11 @@ from toy_models import MODELS  # noqa: E402
 import osdp_lightning  # noqa: E402,F401  (registers "osdp")
 from osdp_lightning import ClusterSpec, OSDPStrategy, TrainingSummary  # noqa: E402
 from osdp_lightning.clip import total_grad_norm  # noqa: E402
+from osdp_lightning.cost import build_choice_table  # noqa: E402
 from osdp_lightning.plan import Plan, make_plan  # noqa: E402
 from osdp_lightning.profile import profile_lightning_module  # noqa: E402
 from osdp_lightning.replicate import replicate_reducer  # noqa: E402
+from osdp_lightning.solve import peak_bytes  # noqa: E402
 
 
 def main() -> None:
@@ -34,6 +36,7 @@ def main() -> None:
     parser.add_argument("--budget", default=None)
     parser.add_argument("--plan", default=None, help="plan JSON to apply")
     parser.add_argument("--split-factors", default="2,4,8")
+    parser.add_argument("--activation-checkpointing", default="auto", help="auto | never | always")
     parser.add_argument("--micro-batch", default=None, help="int or 'auto'")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--devices", type=int, default=2)
@@ -55,7 +58,8 @@ def main() -> None:
         micro = args.micro_batch if args.micro_batch in (None, "auto") else int(args.micro_batch)
         plan = _hand_made_plan(model, args.devices, args.choices) if args.choices else args.plan
         strategy = OSDPStrategy(memory_budget=args.budget, uniform_choice=args.uniform, plan=plan,
-                                split_factors=factors, micro_batch_size=micro)
+                                split_factors=factors, micro_batch_size=micro,
+                                activation_checkpointing=args.activation_checkpointing)
     else:
         strategy = args.strategy
     summary = TrainingSummary()
@@ -127,14 +131,23 @@ def _hand_made_plan(model: L.LightningModule, world_size: int, choices: str) -> 
     """zero3 everywhere except the units named in ``choices`` ("unit=choice;..."; the root is "<root>")."""
     wanted = dict(item.split("=", 1) for item in choices.split(";"))
     wanted = {("" if name == "<root>" else name): choice for name, choice in wanted.items()}
-    profile = profile_lightning_module(model, next(iter(model.train_dataloader())), repeats=1)
+    profile = profile_lightning_module(model, next(iter(model.train_dataloader())), repeats=1,
+                                       optimizer=model.configure_optimizers())
+    # memory does not depend on the split overhead's seconds: every k priced without timing it
+    profile = dataclasses.replace(profile, units=tuple(
+        dataclasses.replace(u, split_overhead_s=tuple((k, 0.0) for k in (2, 4, 8))) if u.linear_shape else u
+        for u in profile.units))
     cluster = ClusterSpec(world_size=world_size, memory_budget_bytes=2**40, collective_latency_s=1e-4,
                           bandwidth_bytes_per_s=1e9)
     plan = make_plan(profile, cluster, uniform_choice="zero3")
     units = tuple(dataclasses.replace(u, choice=wanted.pop(u.name, u.choice)) for u in plan.units)
     if wanted:
         raise ValueError(f"no units named {sorted(wanted)}; units: {[u.name for u in plan.units]}")
-    return dataclasses.replace(plan, units=units, source="hand-made")
+    # the hand-made assignment's own predicted peak, so that a run can compare its measured one
+    assignment = [u.choice for u in units]
+    table = build_choice_table(profile, cluster, choices=sorted(set(assignment)))
+    return dataclasses.replace(plan, units=units, source="hand-made",
+                               predicted_peak_bytes=peak_bytes(table, assignment))
 
 
 def _number(text: str) -> int | float:
