@@ -14,6 +14,7 @@ broadcast, because plans derived from per-rank timings would differ and deadlock
 
 from __future__ import annotations
 
+import gc
 import inspect
 import json
 import os
@@ -156,7 +157,7 @@ class _StackRoot(nn.Module):
 
 @dataclass
 class _Bench:
-    root: nn.Module
+    root: nn.Module | None
     optimizer: torch.optim.Optimizer | None
     step_s: list[float]
     optimizer_s: list[float]
@@ -199,6 +200,18 @@ def _build_bench(config: str, width: int, device: torch.device, meshes: Meshes,
         apply_plan(stack, root, _stack_plan(STACK_DEPTH, width, config, root_choice, world), meshes)
     clone = clone_optimizer(optimizer, list(root.parameters())) if optimizer is not None else None
     return _Bench(root, clone, [], [])
+
+
+def _release(benches: dict[tuple[str, int], _Bench]) -> None:
+    """Free the benches' FSDP2 states and DDP reducers now, while the process group is alive.
+
+    NOTE: they hold the group in reference cycles; left to a later collection they can be freed
+    during interpreter finalization, where gloo's threads end in "terminate called without an
+    active exception" (SIGABRT; see osdp_lightning/shutdown.py).
+    """
+    for bench in benches.values():
+        bench.root, bench.optimizer = None, None
+    gc.collect()
 
 
 def _bench_step(bench: _Bench, device: torch.device) -> tuple[float, float]:
@@ -342,6 +355,7 @@ def measure_step_terms(device: torch.device, optimizer: torch.optim.Optimizer | 
     elapsed = [time.perf_counter() - start, time.process_time() - start_cpu]
     dist.broadcast_object_list(elapsed, src=0)
     extra["calibrate_cpu_s"] = elapsed[1]
+    _release(benches)
     return StepTerms(collectives, overhead, optimizer_terms, loop_step_s, source="measured at setup",
                      calibrate_s=elapsed[0], extra=extra)
 

@@ -206,6 +206,9 @@ class OSDPStrategy(ModelParallelStrategy):
         # NOTE: skip ModelParallelStrategy's (dp, tp) mesh; our meshes are built per plan in setup.
         self._setup_distributed()
         self._device_mesh = None
+        # From here on, whatever holds the group (calibration, FSDP2 units, the reducer) is released
+        # at exit while the interpreter is alive, also after a failed setup (shutdown.py).
+        release_at_exit(self)
 
     @override
     def _setup_distributed(self) -> None:
@@ -237,7 +240,6 @@ class OSDPStrategy(ModelParallelStrategy):
                 apply_plan(module, self._root, self._plan, self._meshes, build_reducer=False)
             build_replicate_reducer(self._root)  # a collective: only once every rank applied its part
             self.model = self._root
-            release_at_exit(self)  # the process groups must not outlive the interpreter (shutdown.py)
             self.setup_s = {
                 "calibrate_s": (self._timings.calibrate_s if self._timings else 0.0)
                 + (self._step_terms.calibrate_s if self._step_terms else 0.0),

@@ -143,9 +143,14 @@ def _hand_made_plan(model: L.LightningModule, world_size: int, choices: str) -> 
     units = tuple(dataclasses.replace(u, choice=wanted.pop(u.name, u.choice)) for u in plan.units)
     if wanted:
         raise ValueError(f"no units named {sorted(wanted)}; units: {[u.name for u in plan.units]}")
-    # the hand-made assignment's own predicted peak, so that a run can compare its measured one
+    # the hand-made assignment's own predicted peak, so that a run can compare its measured one;
+    # a choice the cost model refuses here (hsdp(g=1), applied only to test its mesh) leaves it unpriced
     assignment = [u.choice for u in units]
-    table = build_choice_table(profile, cluster, choices=sorted(set(assignment)))
+    try:
+        table = build_choice_table(profile, cluster, choices=sorted(set(assignment)))
+    except ValueError as err:
+        return dataclasses.replace(plan, units=units, source=f"hand-made (peak not priced: {err})",
+                                   predicted_peak_bytes=0)
     return dataclasses.replace(plan, units=units, source="hand-made",
                                predicted_peak_bytes=peak_bytes(table, assignment))
 
