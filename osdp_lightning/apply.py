@@ -26,6 +26,7 @@ from osdp_lightning.choices import apply_choice, mesh_group_sizes
 from osdp_lightning.plan import Plan
 from osdp_lightning.profile import ROOT
 from osdp_lightning.replicate import build_replicate_reducer, finish_replicate
+from osdp_lightning.shutdown import release_at_exit
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ def apply_plan(model: nn.Module, root: nn.Module, plan: Plan, meshes: Meshes,
     checks the replicated parameters with a collective): the caller first makes sure every rank got
     this far, then calls :func:`~osdp_lightning.replicate.build_replicate_reducer`.
     """
+    release_at_exit()  # what holds the group is freed before finalization (shutdown.py)
     policy = mp_policy or MixedPrecisionPolicy()
     meshes = with_group_meshes(meshes, plan)
     for unit in plan.units:

@@ -29,10 +29,16 @@ _STRATEGIES: weakref.WeakSet = weakref.WeakSet()
 _registered = False
 
 
-def release_at_exit(strategy: Any) -> None:
-    """Release ``strategy``'s process-group holders at exit (``strategy.release_process_groups()``)."""
+def release_at_exit(strategy: Any | None = None) -> None:
+    """Release ``strategy``'s process-group holders at exit (``strategy.release_process_groups()``).
+
+    Without a strategy (``apply_plan``, calibration: scripts that shard a model themselves), only
+    the garbage collection and the group's teardown, so that FSDP2 states and DDP reducers left in
+    reference cycles are freed while the interpreter is alive.
+    """
     global _registered
-    _STRATEGIES.add(strategy)
+    if strategy is not None:
+        _STRATEGIES.add(strategy)
     if not _registered:
         atexit.register(_release)
         _registered = True
