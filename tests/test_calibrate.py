@@ -11,7 +11,14 @@ import pytest
 from conftest import run_script
 
 from osdp_lightning.calibrate import CACHE_ENV, cache_file, read_cache, write_cache
-from osdp_lightning.step_terms import MACHINERY, PLAIN, Affine, StepTerms, step_terms_from_config
+from osdp_lightning.step_terms import (
+    MACHINERY,
+    PLAIN,
+    SPLIT_REPLICATED,
+    Affine,
+    StepTerms,
+    step_terms_from_config,
+)
 
 KEY = {"format": 1, "host": "h", "torch": "2.13.0", "backend": "gloo", "device": "cpu", "world_size": 2,
        "ranks_per_node": 2, "split": True, "optimizer": "torch.optim.adamw.AdamW", "optimizer_flags": {}}
@@ -85,14 +92,17 @@ def test_calibration_on_two_ranks_is_positive_identical_and_cached(tmp_path: Pat
     for part in ("collectives", "overhead", "optimizer"):
         assert second[part] == first[part]
     terms = StepTerms.from_dict(first)  # raises on anything missing, negative or not finite
-    # NOTE: on a shared machine one of the two parts of a fit may come out 0 (the two sizes' timings
-    # within noise of each other); the priced cost of a call must still be positive.
+    # NOTE: one part of a fit may come out 0 (the two sizes' timings within noise of each other),
+    # but a collective or an optimizer step is a measured time, never less than the smaller
+    # size's, so its priced cost is positive. FSDP2's overhead is what is left after the modelled
+    # collectives are taken off, and the fit clamps it at 0 when noise leaves nothing: it is only
+    # ever finite and non-negative (a timing assertion beyond that fails on a loaded machine).
     for kind, cost in terms.collectives.items():
         assert cost.is_valid() and cost.seconds(1, 2**20) > 0, kind
     for kind, cost in terms.overhead.items():
-        assert cost.seconds(1, 2**20) > 0, kind
-    for kind, cost in terms.optimizer.items():
-        assert cost.seconds(2, 2**20) > 0, kind
+        assert cost.is_valid(), kind
+    for kind, cost in terms.optimizer.items():  # a replicated slice's is a difference too (clamped at 0)
+        assert cost.is_valid() and (kind == SPLIT_REPLICATED or cost.seconds(2, 2**20) > 0), kind
     assert 0 < first["calibrate_s"] and math.isfinite(first["calibrate_s"])
     print(f"calibrate_s {first['calibrate_s']:.2f}")
     assert list((tmp_path / "cache").glob("step_terms_cpu_w2_r2.json"))
