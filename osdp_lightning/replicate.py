@@ -32,6 +32,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from osdp_lightning.shutdown import release_at_exit
+
 BUCKET_CAP_MB = 25
 """DDP's default bucket size (Lightning's ``strategy="ddp"`` uses it too)."""
 _ATTRIBUTE = "_osdp_replicate"
@@ -125,6 +127,7 @@ def apply_replicate(root: nn.Module, params: list[nn.Parameter],
         return None
     reducer = ReplicateReducer(trainable, process_group, gradient_as_bucket_view=gradient_as_bucket_view)
     reducer.attach(root)
+    release_at_exit()  # the reducer holds the group: freed before finalization (shutdown.py)
     return reducer
 
 

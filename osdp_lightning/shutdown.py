@@ -32,7 +32,7 @@ _registered = False
 def release_at_exit(strategy: Any | None = None) -> None:
     """Release ``strategy``'s process-group holders at exit (``strategy.release_process_groups()``).
 
-    Without a strategy (``apply_plan``, calibration: scripts that shard a model themselves), only
+    Without a strategy (``apply_plan``, ``apply_replicate``: scripts that shard a model themselves), only
     the garbage collection and the group's teardown, so that FSDP2 states and DDP reducers left in
     reference cycles are freed while the interpreter is alive.
     """

@@ -8,7 +8,6 @@ directory). Every rank writes its terms of both calls to ``<out>.rank<r>.json``.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import socket
@@ -45,10 +44,6 @@ def run(rank: int, port: int, out: str) -> None:
         second = calibrate_step_terms(device, optimizer, meshes, ranks_per_node=WORLD, loop_step_s=1e-3)
         Path(f"{out}.rank{rank}.json").write_text(json.dumps({"first": first.to_dict(), "second": second.to_dict()}))
     finally:
-        # NOTE: as the strategy does at exit (osdp_lightning/shutdown.py): free what still holds the
-        # group (meshes, FSDP2 state) while the interpreter is alive, not during its finalization.
-        meshes = optimizer = None
-        gc.collect()
         dist.destroy_process_group()
 
 

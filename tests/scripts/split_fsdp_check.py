@@ -14,7 +14,6 @@ Rank 0 writes the numbers as JSON; any failed check raises (non-zero exit code).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import socket
@@ -209,10 +208,6 @@ def run(rank: int, port: int, out: str | None) -> None:
             if out:
                 Path(out).write_text(json.dumps(result, indent=1))
     finally:
-        # NOTE: the models sharded above by hand (not through apply_plan, which registers this at
-        # exit) are freed while the interpreter is alive: see osdp_lightning/shutdown.py.
-        meshes = None
-        gc.collect()
         dist.destroy_process_group()
 
 
