@@ -3,8 +3,8 @@
 - :func:`measure_collectives`: latency (alpha), all-gather bandwidth and how much of a collective
   hides behind compute (the cluster's link figures);
 - :func:`calibrate_step_terms`: every step-time term besides compute
-  (:class:`~osdp_lightning.step_terms.StepTerms`): each collective kind at two sizes, FSDP2's own
-  work and the optimizer step per choice, from tiny plans applied with the project's own
+  (:class:`~osdp_lightning.step_terms.StepTerms`): each collective kind at four sizes, FSDP2's own
+  work and the optimizer step per choice (Linear stacks of three widths), from tiny plans applied with the project's own
   :func:`~osdp_lightning.apply.apply_plan` (so whatever machinery a choice uses is what is priced),
   cached per machine under ``~/.cache/osdp_lightning/``.
 
@@ -114,19 +114,31 @@ def measure_collectives(device: torch.device, payload_bytes: int = 8 * 2**20, re
 
 
 # ---------------------------------------------------------------------------------------------
-# Step terms: each collective at two sizes, FSDP2's own work and the optimizer step per choice
+# Step terms: each collective at four sizes, FSDP2's own work and the optimizer step per choice
 # ---------------------------------------------------------------------------------------------
 CACHE_ENV = "OSDP_LIGHTNING_CACHE_DIR"
 """Directory of the per-machine calibration cache (default ``~/.cache/osdp_lightning``; tests
 point it at a temporary directory)."""
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
+"""2: collectives at four sizes, stacks at three widths (a format-1 cache is stale)."""
 CACHE_MAX_AGE_S = 7 * 24 * 3600.0
 """A cache older than this is stale (machines change: drivers, load, other tenants)."""
-COLLECTIVE_BYTES = (64 * 2**10, 2 * 2**20)
-"""Unsharded bytes of the two timed sizes of each collective."""
-STACK_WIDTHS = (128, 512)
-"""Widths of the two Linear stacks (64 KiB and 1 MiB per unit; the rates carry to larger units)."""
-STACK_DEPTH = 3
+COLLECTIVE_BYTES = (64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
+"""Unsharded bytes of the timed sizes of each collective. NOTE: on gloo the fit through two sizes
+(64 KiB, 2 MiB) moved the all-reduce rate by 4x from one calibration to the next; the rate is now a
+least-squares slope through sizes up to a transformer block's (16 MiB), the constant the smallest
+size's time (docs/benchmarks.md section 0)."""
+COLLECTIVE_REPEATS = 7
+BENCH_ROUNDS_S = 1.2
+"""Seconds the timed bench rounds may take: at least five rounds, more while they fit (a fast
+machine takes many; this project's 2-core VM about 7). Medians of 3-5 moved FSDP2's per-byte cost by 2x
+from one calibration to the next here."""
+MAX_BENCH_ROUNDS = 25
+STACK_WIDTHS = (64, 256, 768)
+"""Widths of the Linear stacks (16 KiB, 256 KiB and 2.3 MiB per unit): the smallest pins the
+per-group constant (FSDP2's hooks and launches, about 3 ms per group and step on a 2-core VM),
+the largest is the size of real units, so that per-byte rates are measured where they are used."""
+STACK_DEPTH = 2
 STACK_ROWS = 8
 SPLIT_CHOICE = "split(k=2, sharded=1)"
 
@@ -228,21 +240,30 @@ def _bench_step(bench: _Bench, device: torch.device) -> tuple[float, float]:
     return middle - start, time.perf_counter() - middle
 
 
-def _time_benches(benches: dict[tuple[str, int], _Bench], device: torch.device, repeats: int) -> None:
-    """Warm every bench up once, then step each in turn ``repeats`` times (order reversed every
-    other round, so that a change of load hits all alike)."""
+def _time_benches(benches: dict[tuple[str, int], _Bench], device: torch.device, repeats: int,
+                  budget_s: float) -> None:
+    """Warm every bench up once, then step each in turn: ``repeats`` rounds, and more while the
+    rounds so far took less than ``budget_s`` (rank 0 decides for all; order reversed every other
+    round, so that a change of load hits all alike)."""
     names = list(benches)
     for name in names:
         _bench_step(benches[name], device)
-    for index in range(repeats):
+    start, more = time.perf_counter(), torch.zeros(1, device=device)
+    for index in range(MAX_BENCH_ROUNDS):
         for name in names if index % 2 == 0 else names[::-1]:
             step_s, optimizer_s = _bench_step(benches[name], device)
             benches[name].step_s.append(step_s)
             benches[name].optimizer_s.append(optimizer_s)
+        if index + 1 >= repeats:
+            elapsed = time.perf_counter() - start
+            more.fill_(float(elapsed * (index + 2) / (index + 1) <= budget_s))  # room for one more round
+            dist.broadcast(more, src=0)
+            if not more.item():
+                break
 
 
 def _time_collective_sizes(device: torch.device, repeats: int) -> dict[str, float]:
-    """Median seconds of each collective kind at both sizes, keyed ``"<kind>@<bytes>"``."""
+    """Least seconds of each collective kind at each size, keyed ``"<kind>@<bytes>"``."""
     world = dist.get_world_size()
     ops: dict[str, Callable[[], Any]] = {}
     for nbytes in COLLECTIVE_BYTES:
@@ -263,13 +284,27 @@ def _time_collective_sizes(device: torch.device, repeats: int) -> dict[str, floa
                 ops[name]()
                 _sync(device)
                 samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    # NOTE: the least, not the median: a standalone collective's delays are one-sided (the other
+    # rank late, a page fault on a fresh buffer); gloo's reduce-scatter of 16 MiB had a median of
+    # 7 at 4x its usual time now and then, which made every FSDP2 term that subtracts it 0.
+    return {name: min(values) for name, values in samples.items()}
 
 
-def _fit(x1: float, y1: float, x2: float, y2: float, count: float) -> Affine:
-    """``y = constant * count + rate * x`` through two points; both parts at least 0."""
-    rate = max((y2 - y1) / (x2 - x1), 0.0)
-    return Affine(max((y1 - rate * x1) / count, 0.0), rate)
+def _fit(points: list[tuple[float, float]], count: float) -> Affine:
+    """``y = constant * count + rate * x``, least squares through ``points``; both parts at least 0."""
+    mean_x = statistics.fmean(x for x, _ in points)
+    mean_y = statistics.fmean(y for _, y in points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    rate = max(sum((x - mean_x) * (y - mean_y) for x, y in points) / spread, 0.0)
+    return Affine(max((mean_y - rate * mean_x) / count, 0.0), rate)
+
+
+def _collective_fit(points: list[tuple[float, float]]) -> Affine:
+    """Rate: the least-squares slope through every size; constant: the smallest size's time less its
+    bytes at that rate (a launch's latency, measured, not an intercept extrapolated from 16 MiB)."""
+    rate = _fit(points, 1).per_byte_s
+    nbytes, seconds = points[0]
+    return Affine(max(seconds - rate * nbytes, 0.0), rate)
 
 
 def _stack_comm_s(collectives: dict[str, Affine], config: str, width: int, world: int) -> float:
@@ -302,23 +337,23 @@ def _stack_comm_s(collectives: dict[str, Affine], config: str, width: int, world
 def _fit_terms(collective_s: dict[str, float], benches: dict[tuple[str, int], _Bench], world: int,
                split: bool) -> tuple[dict[str, Affine], dict[str, Affine], dict[str, Affine]]:
     """Collectives, FSDP2 overhead and optimizer terms from the medians (see the module docstring)."""
-    collectives = {}
-    for kind in COLLECTIVES:
-        (b1, t1), (b2, t2) = sorted((int(k.split("@")[1]), v) for k, v in collective_s.items()
-                                    if k.startswith(kind + "@"))
-        ring = (world - 1) / world
-        collectives[kind] = _fit(b1 * ring, t1, b2 * ring, t2, 1)
+    ring = (world - 1) / world
+    collectives = {kind: _collective_fit(sorted((int(k.split("@")[1]) * ring, v) for k, v in collective_s.items()
+                                                if k.startswith(kind + "@"))) for kind in COLLECTIVES}
     step = {k: statistics.median(b.step_s) for k, b in benches.items()}
     opt = {k: statistics.median(b.optimizer_s) if b.optimizer_s else 0.0 for k, b in benches.items()}
-    w1, w2 = STACK_WIDTHS
     unit_bytes = {w: (w * w + w) * 4 for w in STACK_WIDTHS}
     n = STACK_DEPTH
-    overhead, optimizer = {}, {PLAIN: _fit(unit_bytes[w1], opt["local", w1] / n, unit_bytes[w2], opt["local", w2] / n, 2)}
+
+    def per_width(seconds: dict[int, float], nbytes: dict[int, int], count: float) -> Affine:
+        return _fit([(nbytes[w], seconds[w]) for w in STACK_WIDTHS], count)
+
+    overhead, optimizer = {}, {PLAIN: per_width({w: opt["local", w] / n for w in STACK_WIDTHS}, unit_bytes, 2)}
     for choice in ("replicate", "zero2", "zero3"):
         extra = {w: (step[choice, w] - step["local", w] - _stack_comm_s(collectives, choice, w, world)) / n
                  for w in STACK_WIDTHS}
-        overhead[choice] = _fit(unit_bytes[w1], extra[w1], unit_bytes[w2], extra[w2], 1)
-        optimizer[choice] = _fit(unit_bytes[w1], opt[choice, w1] / n, unit_bytes[w2], opt[choice, w2] / n, 2)
+        overhead[choice] = per_width(extra, unit_bytes, 1)
+        optimizer[choice] = per_width({w: opt[choice, w] / n for w in STACK_WIDTHS}, unit_bytes, 2)
     if not split:  # NOTE: like zero2, a replicated slice is gathered once per step and kept until backward
         overhead[SPLIT_REPLICATED], optimizer[SPLIT_REPLICATED] = overhead["zero2"], optimizer["replicate"]
         return collectives, overhead, optimizer
@@ -328,19 +363,19 @@ def _fit_terms(collective_s: dict[str, float], benches: dict[tuple[str, int], _B
     slice_s = {w: (step[SPLIT_CHOICE, w] - step["local_split", w] - _stack_comm_s(collectives, SPLIT_CHOICE, w, world)) / n
                - overhead["zero3"].seconds(1, half[w]) for w in STACK_WIDTHS}
     slice_opt = {w: opt[SPLIT_CHOICE, w] / n - optimizer["zero3"].seconds(2, half[w] + 4 * w) for w in STACK_WIDTHS}
-    overhead[SPLIT_REPLICATED] = _fit(half[w1], slice_s[w1], half[w2], slice_s[w2], 1)
-    optimizer[SPLIT_REPLICATED] = _fit(half[w1], slice_opt[w1], half[w2], slice_opt[w2], 1)
+    overhead[SPLIT_REPLICATED] = per_width(slice_s, half, 1)
+    optimizer[SPLIT_REPLICATED] = per_width(slice_opt, half, 1)
     return collectives, overhead, optimizer
 
 
 def measure_step_terms(device: torch.device, optimizer: torch.optim.Optimizer | None, meshes: Meshes, *,
-                       split: bool = True, loop_step_s: float = 0.0, repeats: int = 3) -> StepTerms:
+                       split: bool = True, loop_step_s: float = 0.0, repeats: int = 5) -> StepTerms:
     """Time collectives and tiny plans on every rank; fit the terms from rank 0's medians."""
     start, start_cpu = time.perf_counter(), time.process_time()
-    collective_s = _time_collective_sizes(device, repeats + 2)
+    collective_s = _time_collective_sizes(device, COLLECTIVE_REPEATS)
     configs = ["local", "replicate", "zero2", "zero3"] + (["local_split", SPLIT_CHOICE] if split else [])
     benches = {(c, w): _build_bench(c, w, device, meshes, optimizer) for w in STACK_WIDTHS for c in configs}
-    _time_benches(benches, device, repeats)
+    _time_benches(benches, device, repeats, BENCH_ROUNDS_S)
     raw: list[Any] = [(collective_s, {k: (b.step_s, b.optimizer_s) for k, b in benches.items()})]
     dist.broadcast_object_list(raw, src=0)
     collective_s = raw[0][0]

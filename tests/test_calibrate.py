@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import run_script
 
-from osdp_lightning.calibrate import CACHE_ENV, cache_file, read_cache, write_cache
+from osdp_lightning import calibrate
+from osdp_lightning.calibrate import CACHE_ENV, CACHE_FORMAT, cache_file, read_cache, write_cache
 from osdp_lightning.step_terms import (
     MACHINERY,
     PLAIN,
@@ -20,7 +21,7 @@ from osdp_lightning.step_terms import (
     step_terms_from_config,
 )
 
-KEY = {"format": 1, "host": "h", "torch": "2.13.0", "backend": "gloo", "device": "cpu", "world_size": 2,
+KEY = {"format": CACHE_FORMAT, "host": "h", "torch": "2.13.0", "backend": "gloo", "device": "cpu", "world_size": 2,
        "ranks_per_node": 2, "split": True, "optimizer": "torch.optim.adamw.AdamW", "optimizer_flags": {}}
 
 
@@ -58,7 +59,7 @@ def test_a_bad_cache_is_ignored_with_one_line(cache: Path, damage: str, caplog: 
         elif damage == "foreign":
             data["key"]["torch"] = "2.5.0"
         elif damage == "old_format":
-            data["key"]["format"] = 0
+            data["key"]["format"] = CACHE_FORMAT - 1
         else:
             data["written_at"] = time.time() - 30 * 86400
         cache.write_text(json.dumps(data))
@@ -69,6 +70,21 @@ def test_a_bad_cache_is_ignored_with_one_line(cache: Path, damage: str, caplog: 
     expected = {"corrupt": "corrupt", "truncated": "corrupt", "negative": "corrupt", "foreign": "foreign (measured "
                 "for another torch", "old_format": "stale", "too_old": "stale"}[damage]
     assert expected in notes[0]
+
+
+def test_the_fits_recover_a_line_and_never_go_negative() -> None:
+    line = [(x, 2e-4 + 1e-9 * x) for x in (6.4e4, 1e6, 4e6, 1.6e7)]
+    fit = calibrate._fit(line, 1)
+    assert fit.constant_s == pytest.approx(2e-4) and fit.per_byte_s == pytest.approx(1e-9)
+    assert calibrate._fit(line, 4).constant_s == pytest.approx(5e-5)  # the constant is per counted item
+    # A collective's constant is its smallest size's time, so a slow largest size moves the rate,
+    # not the latency, and a fast one cannot push the constant below 0.
+    slow_top = [*line[:-1], (1.6e7, 2e-4 + 1.5e-9 * 1.6e7)]
+    collective = calibrate._collective_fit(slow_top)
+    assert collective.per_byte_s > 1e-9
+    assert collective.constant_s == pytest.approx(max(line[0][1] - collective.per_byte_s * 6.4e4, 0.0))
+    assert calibrate._fit([(1.0, 3.0), (2.0, 1.0)], 1) == Affine(2.0, 0.0)  # falling: rate 0
+    assert calibrate._collective_fit([(1e6, 1e-4), (2e6, 1e-2)]).constant_s == 0.0
 
 
 def test_cluster_configs_give_complete_terms() -> None:
@@ -92,7 +108,7 @@ def test_calibration_on_two_ranks_is_positive_identical_and_cached(tmp_path: Pat
     for part in ("collectives", "overhead", "optimizer"):
         assert second[part] == first[part]
     terms = StepTerms.from_dict(first)  # raises on anything missing, negative or not finite
-    # NOTE: one part of a fit may come out 0 (the two sizes' timings within noise of each other),
+    # NOTE: one part of a fit may come out 0 (the sizes' timings within noise of each other),
     # but a collective or an optimizer step is a measured time, never less than the smaller
     # size's, so its priced cost is positive. FSDP2's overhead is what is left after the modelled
     # collectives are taken off, and the fit clamps it at 0 when noise leaves nothing: it is only
