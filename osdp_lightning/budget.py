@@ -20,8 +20,9 @@ Defaults (when ``memory_budget`` is not given):
 Within the budget, plans keep a headroom free for what the cost model misses
 (:func:`plan_headroom_bytes`; ``headroom=`` on the strategy, ``strategy.headroom`` in conf):
 
-- CPU: :data:`PLAN_HEADROOM_FRACTION` (2%): the memory model's measured miss here (predicted peaks
-  within +1.6% / -0.0% of FSDPMemTracker's in every benchmark run, docs/benchmarks.md);
+- CPU: :data:`PLAN_HEADROOM_FRACTION` (3%): above the memory model's largest measured miss here
+  (a mix of replicated and zero3 leaf units predicted 2.1% low; uniform plans are predicted 1-7%
+  high; docs/benchmarks.md section 0). At 2% that mix ran 0.05 MiB over its budget;
 - CUDA: that plus the caching allocator's fragmentation measured while profiling (reserved over
   allocated bytes at the peak, at most 10%), else :data:`CUDA_PLAN_HEADROOM_FRACTION` (5%, not
   measured on a GPU here).
@@ -38,7 +39,7 @@ import torch
 
 CUDA_HEADROOM_FRACTION = 0.08
 CPU_SHARE_FRACTION = 0.80
-PLAN_HEADROOM_FRACTION = 0.02
+PLAN_HEADROOM_FRACTION = 0.03
 CUDA_PLAN_HEADROOM_FRACTION = 0.05
 MAX_FRAGMENTATION = 0.10
 
