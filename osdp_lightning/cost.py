@@ -138,10 +138,6 @@ class ChoiceCost:
     choice changes stay in :attr:`ChoiceTable.activation_bytes`."""
     optimizer_s: float = 0.0
     """Seconds of the optimizer step over this unit's parameters as this choice stores them."""
-    reduce_bytes: int = 0
-    """A sharded choice's reduce-scatter input (its unsharded gradients, copied out): alive after
-    its backward until the collective ends, while the unit before it runs backward. Leaving it out
-    predicted mixes of replicated and zero3 leaf units 2.1-3.4% low (docs/benchmarks.md section 0)."""
     overhead_s: float = 0.0
     """Seconds per step of the machinery that applies the choice (FSDP2's per-unit copy-in/out,
     unshard allocation and hooks, a reducer's bucketing), besides compute and collectives."""

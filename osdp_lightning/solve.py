@@ -5,9 +5,7 @@ The integer program, for one :class:`~osdp_lightning.cost.ChoiceTable` (all byte
 - ``x[u,c]`` binary, ``sum_c x[u,c] = 1`` for every unit ``u``;
 - ``T >= tr[u] + pf[u+1]`` and ``T >= pf[u] + tr[u+1]`` for every consecutive pair in execution
   order (``tr[u] = sum_c transient[u,c] x[u,c]``, ``pf`` likewise with ``prefetch``): FSDP2
-  prefetches a neighbour's all-gather while a unit runs, in forward and in backward; the
-  backward rows also hold ``rs[u+2]`` (``reduce_bytes``: the reduce-scatter input of the unit
-  that ran backward just before, still in flight), and ``T >= tr[0] + rs[1]``;
+  prefetches a neighbour's all-gather while a unit runs, in forward and in backward;
 - memory: ``sum(state + held + activation) x + T + activation_bytes + fixed_bytes <= budget``;
 - minimise ``fixed_step_s + sum(compute + optimizer + overhead) x + sum_u e[u]`` with
   ``e[u] = max(exposed[u,c], comm[u,c] - overlap[u])`` of the chosen ``c`` (``exposed``: the latency
@@ -95,30 +93,22 @@ def _chosen(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> list[Ch
     return [unit.cost_of(choice) for unit, choice in zip(table.units, choices, strict=True)]
 
 
-def _transient_peak(transients: list[int], prefetches: list[int] | None = None,
-                    reduces: list[int] | None = None) -> int:
+def _transient_peak(transients: list[int], prefetches: list[int] | None = None) -> int:
     """Largest transient bytes alive at once: one running unit, plus what its neighbour in
-    execution order already holds (FSDP2 prefetches the next all-gather, forward and backward),
-    plus, in backward, the reduce-scatter input of the unit that ran backward just before."""
+    execution order already holds (FSDP2 prefetches the next all-gather, forward and backward)."""
     prefetches = transients if prefetches is None else prefetches
-    reduces = [0] * len(transients) if reduces is None else reduces
-    after = [*reduces[1:], 0]  # in backward, unit u runs while unit u + 1 is still reducing
-    singles = max((t + r for t, r in zip(transients, after, strict=True)), default=0)
-    pairs = max((max(transients[u] + prefetches[u + 1], prefetches[u] + transients[u + 1] + after[u + 1])
+    singles = max(transients, default=0)
+    pairs = max((max(transients[u] + prefetches[u + 1], prefetches[u] + transients[u + 1])
                  for u in range(len(transients) - 1)), default=0)
     return max(singles, pairs)
-
-
-def _transient_of(costs: list[ChoiceCost]) -> int:
-    return _transient_peak([c.transient_bytes for c in costs], [c.prefetch for c in costs],
-                           [c.reduce_bytes for c in costs])
 
 
 def peak_bytes(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> int:
     """Exact per-rank peak of an assignment under the model the ILP uses."""
     costs = _chosen(table, choices)
     persistent = sum(cost.persistent_bytes for cost in costs)
-    return persistent + _transient_of(costs) + table.activation_bytes + table.fixed_bytes
+    transient = _transient_peak([cost.transient_bytes for cost in costs], [cost.prefetch for cost in costs])
+    return persistent + transient + table.activation_bytes + table.fixed_bytes
 
 
 def _choice_step_s(unit: UnitCosts, cost: ChoiceCost) -> float:
@@ -142,7 +132,7 @@ def _memory_scale(table: ChoiceTable) -> int:
 
 
 def _candidates(unit: UnitCosts) -> list[ChoiceCost]:
-    """Choices not dominated in (persistent, transient, prefetch, reduce bytes, seconds) by another one.
+    """Choices not dominated in (persistent, transient, prefetch bytes, seconds) by another one.
 
     Dropping them keeps the optimum exact: swapping a dominated choice for its dominator never
     raises the peak or the step time. Ties keep the first listed choice.
@@ -158,8 +148,8 @@ def _candidates(unit: UnitCosts) -> list[ChoiceCost]:
     return [c for c, dominated in zip(unit.choices, dominates.any(axis=0), strict=True) if not dominated]
 
 
-def _memory_key(cost: ChoiceCost) -> tuple[int, int, int, int]:
-    return cost.persistent_bytes, cost.transient_bytes, cost.prefetch, cost.reduce_bytes
+def _memory_key(cost: ChoiceCost) -> tuple[int, int, int]:
+    return cost.persistent_bytes, cost.transient_bytes, cost.prefetch
 
 
 @dataclass(frozen=True)
@@ -208,7 +198,7 @@ def _build_model(table: ChoiceTable, prune: bool = True) -> _Model:
     scale = _memory_scale(table)
     problem = pulp.LpProblem("osdp", pulp.LpMinimize)
     peak_t = _new_variable(problem, "T", pulp.LpContinuous)
-    variables, persistent_terms, transients, prefetches, reduces = [], [], [], [], []
+    variables, persistent_terms, transients, prefetches = [], [], [], []
     offset = table.activation_bytes + table.fixed_bytes
     kept: dict[tuple, list[ChoiceCost]] = {}  # identical units (same costs) are pruned once
     for u, unit in enumerate(table.units):
@@ -224,23 +214,18 @@ def _build_model(table: ChoiceTable, prune: bool = True) -> _Model:
         persistent_terms += terms
         transients.append(_differences(pairs, lambda c: c.transient_bytes, scale, -1.0))
         prefetches.append(_differences(pairs, lambda c: c.prefetch, scale, -1.0))
-        reduces.append(_differences(pairs, lambda c: c.reduce_bytes, scale, -1.0))
-    # T >= running unit's transient + what its neighbour already holds, both orders of each pair;
-    # in backward (unit u runs, u - 1 prefetched) also unit u + 1's reduce-scatter input.
-    count = len(table.units)
-    rows = [(u, u + 1, None, f"f{u}") for u in range(count - 1)]
-    rows += [(u + 1, u, u + 2 if u + 2 < count else None, f"b{u}") for u in range(count - 1)]
-    rows.append((0, None, 1 if count > 1 else None, "first"))
-    for run_u, held_u, reducing_u, tag in rows:
-        parts = [transients[run_u], prefetches[held_u] if held_u is not None else (0, []),
-                 reduces[reducing_u] if reducing_u is not None else (0, [])]
-        row = pulp.LpAffineExpression([(peak_t, 1.0), *(t for _, terms in parts for t in terms)])
-        problem += row >= sum(least for least, _ in parts) / scale, f"pair_{tag}"
+    # T >= running unit's transient + what its neighbour already holds, both orders of each pair.
+    rows = [(u, u + 1, f"f{u}") for u in range(len(table.units) - 1)]
+    rows += [(u + 1, u, f"b{u}") for u in range(len(table.units) - 1)]
+    for run_u, held_u, tag in rows or [(0, None, "single")]:
+        (run_least, run_terms), (held_least, held_terms) = transients[run_u], (
+            prefetches[held_u] if held_u is not None else (0, []))
+        row = pulp.LpAffineExpression([(peak_t, 1.0), *run_terms, *held_terms])
+        problem += row >= (run_least + held_least) / scale, f"pair_{tag}"
     memory = pulp.LpAffineExpression([*persistent_terms, (peak_t, 1.0)])
     max_peak = offset + round(sum(coef for _, coef in persistent_terms) * scale) + _transient_peak(
         [max(c.transient_bytes for c, _ in pairs) for pairs in variables],
-        [max(c.prefetch for c, _ in pairs) for pairs in variables],
-        [max(c.reduce_bytes for c, _ in pairs) for pairs in variables])
+        [max(c.prefetch for c, _ in pairs) for pairs in variables])
     memory_row = memory <= (max_peak + 1 - offset) / scale  # constrains nothing until a budget is set
     problem += memory_row, "memory"
     columns = (peak_t, *(x for pairs in variables for _, x in pairs))
@@ -401,10 +386,9 @@ def step_lower_bound(table: ChoiceTable) -> float:
 
 
 def peak_lower_bound(table: ChoiceTable) -> int:
-    """Bytes per rank below every plan's peak: each unit's least persistent, transient, prefetch and reduce bytes."""
+    """Bytes per rank below every plan's peak: each unit's least persistent, transient and prefetch bytes."""
     least = [tuple(min(k) for k in zip(*(_memory_key(c) for c in unit.choices), strict=True)) for unit in table.units]
-    return (sum(k[0] for k in least) + _transient_peak([k[1] for k in least], [k[2] for k in least],
-                                                       [k[3] for k in least])
+    return (sum(k[0] for k in least) + _transient_peak([k[1] for k in least], [k[2] for k in least])
             + table.activation_bytes + table.fixed_bytes)
 
 
@@ -435,7 +419,7 @@ def _warm_start(table: ChoiceTable, model: _Model, budget_bytes: int
         choices.append(kept.choice)
         values.update({x.name: float(c is kept) for c, x in pairs})
     costs = _chosen(table, choices)
-    values["T"] = _transient_of(costs) / model.scale
+    values["T"] = _transient_peak([c.transient_bytes for c in costs], [c.prefetch for c in costs]) / model.scale
     return tuple(choices), values
 
 
@@ -509,8 +493,7 @@ def knapsack_dp(table: ChoiceTable, budget_bytes: int, resolution_bytes: int = 2
     units = table.units
     worst = [max(c.transient_bytes for c in unit.choices) for unit in units]
     worst_prefetch = [max(c.prefetch for c in unit.choices) for unit in units]
-    worst_reduce = [max(c.reduce_bytes for c in unit.choices) for unit in units]
-    reserve = _transient_peak(worst, worst_prefetch, worst_reduce) + table.activation_bytes + table.fixed_bytes
+    reserve = _transient_peak(worst, worst_prefetch) + table.activation_bytes + table.fixed_bytes
     weights = [[-(-c.persistent_bytes // resolution_bytes) for c in u.choices] for u in units]
     capacity = (budget_bytes - reserve) // resolution_bytes - sum(min(w) for w in weights)
     if capacity < 0:

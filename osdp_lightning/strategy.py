@@ -102,8 +102,8 @@ class OSDPStrategy(ModelParallelStrategy):
             models solve to optimality in well under a second, 1,000-2,000 units in seconds
             with HiGHS (the default); CBC (used without ``highspy``) can take minutes there.
         headroom: Part of the budget plans keep free for what the memory model misses: a share
-            (``0.05``) or bytes (``"256MiB"``). Default: 3% on CPU (above the model's largest measured
-            miss, 2.1%), on CUDA 3% plus the allocator's fragmentation measured while profiling
+            (``0.05``) or bytes (``"256MiB"``). Default: 4% on CPU (above the model's largest measured
+            miss, 3.4%), on CUDA 4% plus the allocator's fragmentation measured while profiling
             (:func:`osdp_lightning.budget.plan_headroom_bytes`).
         calibration_cache: Reuse the step-time terms measured earlier on this machine
             (``~/.cache/osdp_lightning``, or ``$OSDP_LIGHTNING_CACHE_DIR``); ``False`` measures anew.

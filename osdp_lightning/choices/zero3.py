@@ -46,7 +46,7 @@ def sharded_cost(unit: UnitProfile, choice: Choice, ctx: CostContext, *, gathers
                       (0 if whole else b.gathered) + b.grads - kept, ctx.compute_s(unit), comm_s,
                       prefetch_bytes=None if whole else b.gathered, exposed_s=exposed_s,
                       overhead_s=overhead_s, optimizer_s=optimizer_s,
-                      activation_bytes=ctx.activation_bytes(unit), reduce_bytes=b.reduced)
+                      activation_bytes=ctx.activation_bytes(unit))
 
 
 def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
