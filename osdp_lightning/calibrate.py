@@ -4,8 +4,8 @@
   hides behind compute (the cluster's link figures);
 - :func:`calibrate_step_terms`: every step-time term besides compute
   (:class:`~osdp_lightning.step_terms.StepTerms`): each collective kind at four sizes, FSDP2's own
-  work and the optimizer step per choice (Linear stacks of three widths), from tiny plans applied with the project's own
-  :func:`~osdp_lightning.apply.apply_plan` (so whatever machinery a choice uses is what is priced),
+  work and the optimizer step per choice from tiny plans (Linear stacks of three widths) applied
+  with the project's own :func:`~osdp_lightning.apply.apply_plan` (so whatever machinery a choice uses is what is priced),
   cached per machine under ``~/.cache/osdp_lightning/``.
 
 Every rank takes part in the collectives, but only rank 0's numbers are used: they are
@@ -131,8 +131,8 @@ size's time (docs/benchmarks.md section 0)."""
 COLLECTIVE_REPEATS = 7
 BENCH_ROUNDS_S = 1.2
 """Seconds the timed bench rounds may take: at least five rounds, more while they fit (a fast
-machine takes many; this project's 2-core VM about 7). Medians of 3-5 moved FSDP2's per-byte cost by 2x
-from one calibration to the next here."""
+machine takes many; this project's 2-core VM about 7). Medians of 3-5 moved FSDP2's per-byte
+cost by 2x from one calibration to the next here."""
 MAX_BENCH_ROUNDS = 25
 STACK_WIDTHS = (64, 256, 768)
 """Widths of the Linear stacks (16 KiB, 256 KiB and 2.3 MiB per unit): the smallest pins the
@@ -285,8 +285,8 @@ def _time_collective_sizes(device: torch.device, repeats: int) -> dict[str, floa
                 _sync(device)
                 samples[name].append(time.perf_counter() - start)
     # NOTE: the least, not the median: a standalone collective's delays are one-sided (the other
-    # rank late, a page fault on a fresh buffer); gloo's reduce-scatter of 16 MiB had a median of
-    # 7 at 4x its usual time now and then, which made every FSDP2 term that subtracts it 0.
+    # rank late, a page fault on a fresh buffer). The median of 7 of gloo's 16 MiB reduce-scatter
+    # came out at 4x its usual time now and then, and every FSDP2 term that subtracts it became 0.
     return {name: min(values) for name, values in samples.items()}
 
 
@@ -336,7 +336,8 @@ def _stack_comm_s(collectives: dict[str, Affine], config: str, width: int, world
 
 def _fit_terms(collective_s: dict[str, float], benches: dict[tuple[str, int], _Bench], world: int,
                split: bool) -> tuple[dict[str, Affine], dict[str, Affine], dict[str, Affine]]:
-    """Collectives, FSDP2 overhead and optimizer terms from the medians (see the module docstring)."""
+    """Collectives (from their least times), FSDP2 overhead and optimizer terms (from the benches'
+    medians); see the module docstring."""
     ring = (world - 1) / world
     collectives = {kind: _collective_fit(sorted((int(k.split("@")[1]) * ring, v) for k, v in collective_s.items()
                                                 if k.startswith(kind + "@"))) for kind in COLLECTIVES}
@@ -370,7 +371,7 @@ def _fit_terms(collective_s: dict[str, float], benches: dict[tuple[str, int], _B
 
 def measure_step_terms(device: torch.device, optimizer: torch.optim.Optimizer | None, meshes: Meshes, *,
                        split: bool = True, loop_step_s: float = 0.0, repeats: int = 5) -> StepTerms:
-    """Time collectives and tiny plans on every rank; fit the terms from rank 0's medians."""
+    """Time collectives and tiny plans on every rank; fit the terms from rank 0's timings."""
     start, start_cpu = time.perf_counter(), time.process_time()
     collective_s = _time_collective_sizes(device, COLLECTIVE_REPEATS)
     configs = ["local", "replicate", "zero2", "zero3"] + (["local_split", SPLIT_CHOICE] if split else [])
