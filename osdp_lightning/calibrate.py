@@ -5,8 +5,8 @@
 - :func:`calibrate_step_terms`: every step-time term besides compute
   (:class:`~osdp_lightning.step_terms.StepTerms`): each collective kind at four sizes, FSDP2's own
   work and the optimizer step per choice from tiny plans (Linear stacks of three widths) applied
-  with the project's own :func:`~osdp_lightning.apply.apply_plan` (so whatever machinery a choice uses is what is priced),
-  cached per machine under ``~/.cache/osdp_lightning/``.
+  with the project's own :func:`~osdp_lightning.apply.apply_plan` (so whatever machinery a choice
+  uses is what is priced), cached per machine under ``~/.cache/osdp_lightning/``.
 
 Every rank takes part in the collectives, but only rank 0's numbers are used: they are
 broadcast, because plans derived from per-rank timings would differ and deadlock.
@@ -339,8 +339,9 @@ def _fit_terms(collective_s: dict[str, float], benches: dict[tuple[str, int], _B
     """Collectives (from their least times), FSDP2 overhead and optimizer terms (from the benches'
     medians); see the module docstring."""
     ring = (world - 1) / world
-    collectives = {kind: _collective_fit(sorted((int(k.split("@")[1]) * ring, v) for k, v in collective_s.items()
-                                                if k.startswith(kind + "@"))) for kind in COLLECTIVES}
+    moved = [(kind, int(nbytes) * ring, seconds) for key, seconds in collective_s.items()
+             for kind, nbytes in [key.split("@")]]
+    collectives = {kind: _collective_fit(sorted((x, t) for k, x, t in moved if k == kind)) for kind in COLLECTIVES}
     step = {k: statistics.median(b.step_s) for k, b in benches.items()}
     opt = {k: statistics.median(b.optimizer_s) if b.optimizer_s else 0.0 for k, b in benches.items()}
     unit_bytes = {w: (w * w + w) * 4 for w in STACK_WIDTHS}
