@@ -100,6 +100,8 @@ class UnitBytes:
     """Parameters as gathered for compute."""
     reduced: int
     """Gradients as reduced."""
+    largest_grad: int
+    """The largest single gradient tensor (the whole unit's gradients when not known)."""
 
     @classmethod
     def of(cls, unit: UnitProfile, profile: ModelProfile) -> UnitBytes:
@@ -108,7 +110,8 @@ class UnitBytes:
                    grads=unit.param_count * profile.grad_bytes_per_element,
                    optimizer=unit.param_count * profile.optimizer_bytes_per_param,
                    gathered=params * profile.compute_bytes_per_element,
-                   reduced=unit.param_count * profile.reduce_bytes_per_element)
+                   reduced=unit.param_count * profile.reduce_bytes_per_element,
+                   largest_grad=(unit.largest_tensor_count or unit.param_count) * profile.grad_bytes_per_element)
 
     @property
     def state(self) -> int:

@@ -51,6 +51,9 @@ class UnitProfile:
     tensor_count: int = 0
     """Trainable parameter tensors owned (the optimizer step costs a constant per tensor); 0: not known,
     priced as 2 (a Linear's weight and bias)."""
+    largest_tensor_count: int = 0
+    """Elements of its largest trainable parameter tensor (a replicated unit's gradients arrive one
+    tensor at a time); 0: not known, priced as the whole unit."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,7 @@ def _with_measured_parts(block: UnitProfile, parts: list[UnitProfile], order: li
         backward_s=block.backward_s + sum(p.backward_s for p in parts),
         activation_bytes=block.activation_bytes + sum(p.activation_bytes for p in parts),
         tensor_count=block.tensor_count + sum(p.tensor_count for p in parts),
+        largest_tensor_count=max([block.largest_tensor_count, *(p.largest_tensor_count for p in parts)]),
         linear_shape=None if parts else block.linear_shape,
         parts=tuple(parts) if len(parts) > 1 else ())  # one part: nothing to choose between
 
@@ -173,20 +177,24 @@ def with_parts(profile: ModelProfile, blocks: Collection[str]) -> ModelProfile:
     its parts) goes to the root, as it does when FSDP2 wraps the parts and not the block.
     """
     units, root = [], profile.units[-1]
-    rest = dict(params=0, frozen=0, forward_s=0.0, backward_s=0.0, activation_bytes=0, tensors=0)
+    rest = dict(params=0, frozen=0, forward_s=0.0, backward_s=0.0, activation_bytes=0, tensors=0, largest=0)
     for unit in profile.units[:-1]:
         if unit.name not in blocks or not unit.parts:
             units.append(unit)
             continue
         units += unit.parts
-        rest["params"] += unit.param_count - sum(p.param_count for p in unit.parts)
+        left_out = unit.param_count - sum(p.param_count for p in unit.parts)
+        rest["params"] += left_out
         rest["tensors"] += unit.tensor_count - sum(p.tensor_count for p in unit.parts)
+        # NOTE: which of the block's tensors its parts leave out is not recorded: an upper bound.
+        rest["largest"] = max(rest["largest"], min(unit.largest_tensor_count, left_out))
         rest["frozen"] += unit.frozen_param_count - sum(p.frozen_param_count for p in unit.parts)
         for key in ("forward_s", "backward_s", "activation_bytes"):
             rest[key] += getattr(unit, key) - sum(getattr(p, key) for p in unit.parts)
     root = dataclasses.replace(
         root, param_count=root.param_count + rest["params"], frozen_param_count=root.frozen_param_count + rest["frozen"],
         tensor_count=root.tensor_count + rest["tensors"],
+        largest_tensor_count=max(root.largest_tensor_count, rest["largest"]),
         forward_s=root.forward_s + rest["forward_s"], backward_s=root.backward_s + rest["backward_s"],
         activation_bytes=root.activation_bytes + rest["activation_bytes"])
     return dataclasses.replace(profile, units=(*units, root))
@@ -256,7 +264,8 @@ def assemble_unit(root: nn.Module, name: str, module_names: tuple[str, ...], par
         frozen_param_count=sum(p.numel() for p in params if not p.requires_grad),
         forward_s=forward_s, backward_s=backward_s, activation_bytes=activation_bytes, input_bytes=input_bytes,
         linear_shape=linear_shape_of(root, name, module_names), split_overhead_s=split_overhead_s,
-        tensor_count=sum(1 for p in params if p.requires_grad))
+        tensor_count=sum(1 for p in params if p.requires_grad),
+        largest_tensor_count=max((p.numel() for p in params if p.requires_grad), default=0))
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ without a trace, unit selection, plan round trip and mismatch errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import random
@@ -87,8 +88,11 @@ def test_cost_formulas_by_hand() -> None:
     unit = profile.units[0]
     rep, z2, z3 = (choice_cost(unit, c, CostContext(profile, CLUSTER)) for c in ("replicate", "zero2", "zero3"))
     # replicate (DDP's reducer): param + grad (bucket views) + Adam (2 states); the fresh gradient
-    # before its copy into the bucket is transient, nothing is prefetched; one all-reduce of the grads
+    # before its copy into the bucket is transient (one tensor at a time: the largest, the whole
+    # unit when the profile does not know it), nothing is prefetched; one all-reduce of the grads
     assert rep.state_bytes == p * (4 + 4 + 8) and rep.transient_bytes == 4 * p and rep.prefetch_bytes == 0
+    known = dataclasses.replace(unit, largest_tensor_count=600)
+    assert choice_cost(known, "replicate", CostContext(profile, CLUSTER)).transient_bytes == 4 * 600
     assert math.isclose(rep.comm_s, 1e-4 + 2 * 4 * p * (1 / 2) / 1e9)
     assert math.isclose(rep.comm_s, all_reduce_s(4 * p, 2, CLUSTER))
     # zero2: state / W, gathered params held forward->backward; all-gather + reduce-scatter
@@ -148,6 +152,8 @@ def test_profiling_leaves_no_trace() -> None:
     assert "encoder.layers.0.self_attn" in parts and "encoder.layers.0.self_attn.out_proj" not in parts
     assert profile.optimizer_bytes_per_param == 8 and profile.micro_batch_size == 8
     assert sum(u.param_count for u in profile.units) == sum(p.numel() for p in model.parameters())
+    block = model.get_submodule("encoder.layers.0")
+    assert profile.units[1].largest_tensor_count == max(p.numel() for p in block.parameters())
     assert all(u.forward_s >= 0 and u.backward_s >= 0 for u in profile.units)
     assert profile.activation_bytes > 0
 

@@ -27,12 +27,12 @@ def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
     # NOTE: gradients are views into the reducer's buckets (gradient_as_bucket_view=True), so they
     # are part of the persistent state and there is no second copy. After zero_grad(set_to_none)
     # autograd computes each gradient into a fresh tensor that the reducer copies into its bucket
-    # and frees: the unit's gradients are the transient (an upper bound: one tensor at a time).
+    # and frees: one tensor at a time, so the transient is the unit's largest gradient tensor.
     overhead_s, optimizer_s = ctx.machinery_s(unit, "replicate")
     # One collective per ~25 MiB bucket, not per unit: the unit pays its share of a launch.
     bucket_share = min(1.0, b.grads / (BUCKET_CAP_MB * 2**20))
     # Accumulating, DDP's no-sync adds each micro-step's gradients into the same buckets: no extra bytes.
-    return ChoiceCost(str(choice), b.state, 0, b.grads, ctx.compute_s(unit),
+    return ChoiceCost(str(choice), b.state, 0, b.largest_grad, ctx.compute_s(unit),
                       ctx.once_per_step_s(all_reduce_s(b.grads, ctx.cluster.world_size, ctx.cluster)), prefetch_bytes=0,
                       exposed_s=ctx.once_per_step_s(ctx.world_latency_s() * bucket_share), overhead_s=overhead_s, optimizer_s=optimizer_s,
                       activation_bytes=ctx.activation_bytes(unit))

@@ -163,8 +163,8 @@ def main() -> None:
             predicted = plan.predicted_peak_bytes
             diff = (predicted - tracked["peak_bytes"]) / tracked["peak_bytes"]
             counts = {c: sum(u.choice == c for u in plan.units) for c in sorted({u.choice for u in plan.units})}
-            # NOTE: cost.py charges replicated units' whole gradients on top of the activations; with
-            # zero_grad(set_to_none=True) they never coexist with the forward-end peak the tracker sees.
+            # NOTE: the allowance tests/test_dryrun_memory.py gives plans with replicated units
+            # (predicted over, never under: see its docstring).
             replicate_grad_bytes = sum(u.param_count for u in plan.units if u.choice == "replicate") * \
                 profile.grad_bytes_per_element
             rows.append({"model": args.model, "world_size": world_size, "plan": name, "predicted_bytes": predicted,
