@@ -3,9 +3,12 @@
 The integer program, for one :class:`~osdp_lightning.cost.ChoiceTable` (all bytes per rank):
 
 - ``x[u,c]`` binary, ``sum_c x[u,c] = 1`` for every unit ``u``;
-- ``T >= tr[u] + pf[u+1]`` and ``T >= pf[u] + tr[u+1]`` for every consecutive pair in execution
-  order (``tr[u] = sum_c transient[u,c] x[u,c]``, ``pf`` likewise with ``prefetch``): FSDP2
-  prefetches a neighbour's all-gather while a unit runs, in forward and in backward;
+- ``T >= tr[u] + Cb[u-1]`` and ``T >= tr[u] + Ca[u+1]`` for every unit (``tr[u] = sum_c
+  transient[u,c] x[u,c]``, ``pf`` likewise with ``prefetch``), where ``Cb[u]`` / ``Ca[u]`` is the
+  ``pf`` of the nearest unit at or before / after ``u`` that all-gathers (``pf > 0``): FSDP2 keeps
+  the last all-gather's buffer until the next (forward) and prefetches the next (backward), and
+  replicated units between do neither (``_carry_variables``; ``C >= pf[u]``, ``C >= C[prev] -
+  M * gathers[u]``);
 - memory: ``sum(state + held + activation) x + T + activation_bytes + fixed_bytes <= budget``;
 - minimise ``fixed_step_s + sum(compute + optimizer + overhead) x + sum_u e[u]`` with
   ``e[u] = max(exposed[u,c], comm[u,c] - overlap[u])`` of the chosen ``c`` (``exposed``: the latency
@@ -93,14 +96,37 @@ def _chosen(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> list[Ch
     return [unit.cost_of(choice) for unit, choice in zip(table.units, choices, strict=True)]
 
 
-def _transient_peak(transients: list[int], prefetches: list[int] | None = None) -> int:
-    """Largest transient bytes alive at once: one running unit, plus what its neighbour in
-    execution order already holds (FSDP2 prefetches the next all-gather, forward and backward)."""
+def _carried(prefetches: list[int], through: bool = True) -> list[int]:
+    """Per unit, the all-gathered bytes alive there from the nearest unit at or before it that
+    all-gathers (``prefetches > 0``). ``through=False``: each unit's own, nothing carried."""
+    carried, last = [], 0
+    for held in prefetches:
+        last = held if held or not through else last
+        carried.append(last)
+    return carried
+
+
+def _transient_peak(transients: list[int], prefetches: list[int] | None = None, through: bool = True) -> int:
+    """Largest transient bytes alive at once: one running unit, plus the all-gathered parameters of
+    the nearest unit that all-gathers before it and after it in execution order.
+
+    FSDP2 prefetches the next all-gather (backward) and keeps the last all-gather's buffer until the
+    next one (forward): units that gather nothing (replicated, on DDP's reducer) do not end either,
+    so a replicated run between two sharded units leaves the far one's buffer alive (measured with
+    FSDPMemTracker, docs/design.md section 4). ``through=False``: neighbours only (a lower bound).
+    """
     prefetches = transients if prefetches is None else prefetches
-    singles = max(transients, default=0)
-    pairs = max((max(transients[u] + prefetches[u + 1], prefetches[u] + transients[u + 1])
-                 for u in range(len(transients) - 1)), default=0)
-    return max(singles, pairs)
+    before = [0, *_carried(prefetches, through)[:-1]]
+    after = [*_carried(prefetches[::-1], through)[::-1][1:], 0]
+    return max((t + max(b, a) for t, b, a in zip(transients, before, after, strict=True)), default=0)
+
+
+def _transient_ceiling(transients: list[int], prefetches: list[int]) -> int:
+    """Bytes no plan's transient peak exceeds when each unit's transient and prefetch are at most these."""
+    if len(transients) < 2:
+        return max(transients, default=0)
+    top = sorted(range(len(prefetches)), key=prefetches.__getitem__)[-2:]  # the two largest prefetches
+    return max(t + prefetches[top[-1] if top[-1] != u else top[0]] for u, t in enumerate(transients))
 
 
 def peak_bytes(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> int:
@@ -148,8 +174,10 @@ def _candidates(unit: UnitCosts) -> list[ChoiceCost]:
     return [c for c, dominated in zip(unit.choices, dominates.any(axis=0), strict=True) if not dominated]
 
 
-def _memory_key(cost: ChoiceCost) -> tuple[int, int, int]:
-    return cost.persistent_bytes, cost.transient_bytes, cost.prefetch
+def _memory_key(cost: ChoiceCost) -> tuple[int, int, int, int]:
+    # NOTE: gathering nothing (prefetch 0) lets a farther unit's buffer through (_transient_peak):
+    # worse in that respect than gathering a little, so it is a key of its own.
+    return cost.persistent_bytes, cost.transient_bytes, cost.prefetch, int(cost.prefetch == 0)
 
 
 @dataclass(frozen=True)
@@ -189,10 +217,13 @@ def _differences(pairs: list[tuple[ChoiceCost, pulp.LpVariable]], size: Callable
     return least, [(x, sign * (size(c) - least) / scale) for c, x in pairs if size(c) > least]
 
 
-def _build_model(table: ChoiceTable, prune: bool = True) -> _Model:
+def _build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> _Model:
     """Variables, one-choice rows, prefetch-pair rows and the memory row; the objective is set later.
 
     ``prune``: leave out dominated choices (exact for the optimum, not for the k best plans).
+    ``carry``: buffers carried past units that gather nothing (exact); without, each unit's
+    neighbours' own prefetch only: a relaxation (its peaks are never above the exact ones) that
+    solves several times faster on large tables.
     """
     _check_table(table)
     scale = _memory_scale(table)
@@ -214,22 +245,57 @@ def _build_model(table: ChoiceTable, prune: bool = True) -> _Model:
         persistent_terms += terms
         transients.append(_differences(pairs, lambda c: c.transient_bytes, scale, -1.0))
         prefetches.append(_differences(pairs, lambda c: c.prefetch, scale, -1.0))
-    # T >= running unit's transient + what its neighbour already holds, both orders of each pair.
-    rows = [(u, u + 1, f"f{u}") for u in range(len(table.units) - 1)]
-    rows += [(u + 1, u, f"b{u}") for u in range(len(table.units) - 1)]
-    for run_u, held_u, tag in rows or [(0, None, "single")]:
-        (run_least, run_terms), (held_least, held_terms) = transients[run_u], (
-            prefetches[held_u] if held_u is not None else (0, []))
-        row = pulp.LpAffineExpression([(peak_t, 1.0), *run_terms, *held_terms])
-        problem += row >= (run_least + held_least) / scale, f"pair_{tag}"
+    carries = _peak_rows(problem, peak_t, variables, transients, prefetches, scale, carry)
     memory = pulp.LpAffineExpression([*persistent_terms, (peak_t, 1.0)])
-    max_peak = offset + round(sum(coef for _, coef in persistent_terms) * scale) + _transient_peak(
+    max_peak = offset + round(sum(coef for _, coef in persistent_terms) * scale) + _transient_ceiling(
         [max(c.transient_bytes for c, _ in pairs) for pairs in variables],
         [max(c.prefetch for c, _ in pairs) for pairs in variables])
     memory_row = memory <= (max_peak + 1 - offset) / scale  # constrains nothing until a budget is set
     problem += memory_row, "memory"
-    columns = (peak_t, *(x for pairs in variables for _, x in pairs))
+    columns = (peak_t, *carries, *(x for pairs in variables for _, x in pairs))
     return _Model(problem, tuple(variables), memory, memory_row, offset, max_peak, scale, columns)
+
+
+def _peak_rows(problem: pulp.LpProblem, peak_t: pulp.LpVariable, variables: list, transients: list,
+               prefetches: list, scale: int, carry: bool) -> list[pulp.LpVariable]:
+    """``T >= tr[u] +`` the buffer alive beside it on either side (_transient_peak): carried from
+    the nearest unit that gathers (``carry``) or its neighbour's own; the carry variables."""
+    if carry:
+        after = _carry_variables(problem, variables, prefetches, scale, "a", reverse=True)
+        before = _carry_variables(problem, variables, prefetches, scale, "b", reverse=False)
+        sides = {"f": [(0, [(c, -1.0)]) for c in after[1:]] + [None],
+                 "b": [None] + [(0, [(c, -1.0)]) for c in before[:-1]]}
+    else:
+        after, before = [], []
+        sides = {"f": prefetches[1:] + [None], "b": [None] + prefetches[:-1]}
+    for u, (run_least, run_terms) in enumerate(transients):
+        held = [(tag, sides[tag][u]) for tag in ("f", "b") if sides[tag][u] is not None]
+        for tag, (held_least, held_terms) in held or [("single", (0, []))]:
+            row = pulp.LpAffineExpression([(peak_t, 1.0), *run_terms, *held_terms])
+            problem += row >= (run_least + held_least) / scale, f"pair_{tag}{u}"
+    return [*after, *before]
+
+
+def _carry_variables(problem: pulp.LpProblem, variables: list, prefetches: list, scale: int, tag: str,
+                     reverse: bool) -> list[pulp.LpVariable]:
+    """Per unit, ``C[u]``: the all-gathered bytes alive there from the nearest unit that gathers,
+    scanning forward (or from the end with ``reverse``): ``C[u] >= prefetch[u]``, and
+    ``C[u] >= C[prev] - M * (u gathers)`` (``M``: the largest buffer that can reach ``u``). Exact:
+    for a given plan the least ``C`` these allow is the carried buffer, and a larger one only
+    raises ``T``."""
+    order = range(len(variables) - 1, -1, -1) if reverse else range(len(variables))
+    carries: dict[int, pulp.LpVariable] = {}
+    prev, reach = None, 0.0
+    for u in order:
+        carry = _new_variable(problem, f"C{tag}_{u}", pulp.LpContinuous)
+        least, terms = prefetches[u]
+        problem += pulp.LpAffineExpression([(carry, 1.0), *terms]) >= least / scale, f"own_{tag}{u}"
+        gathers = [(x, reach) for c, x in variables[u] if c.prefetch > 0]
+        if prev is not None and len(gathers) < len(variables[u]):  # some choice lets the buffer through
+            problem += pulp.LpAffineExpression([(carry, 1.0), (prev, -1.0), *gathers]) >= 0, f"pass_{tag}{u}"
+        reach = max(reach, max(c.prefetch for c, _ in variables[u]) / scale)
+        carries[u], prev = carry, carry
+    return [carries[u] for u in range(len(variables))]
 
 
 def _set_budget(model: _Model, budget_bytes: float) -> None:
@@ -317,6 +383,15 @@ def solve_choice_table(table: ChoiceTable, budget_bytes: int, time_limit_s: floa
     fastest = _fastest_plan(table)
     if peak_bytes(table, fastest) <= budget_bytes:  # it reaches the lower bound: nothing to search
         return _solution(table, fastest, OPTIMAL, None, start)
+    # The relaxation first (buffers of neighbours only): its optimum is the true one when it fits
+    # exactly (most plans put no replicated unit between two sharded ones), else the exact model.
+    relaxed = _build_model(table, carry=False)
+    relaxed.problem.setObjective(_step_objective(table, relaxed))
+    warm = _warm_start(table, relaxed, budget_bytes)
+    _set_budget(relaxed, budget_bytes)
+    status, bound, choices = _run_once(relaxed, settings, start, warm[1] if warm else None)
+    if status == INFEASIBLE or (status == OPTIMAL and peak_bytes(table, choices) <= budget_bytes):
+        return _solution(table, choices, status, bound, start)
     model = _build_model(table)
     model.problem.setObjective(_step_objective(table, model))
     return _solve_within(table, model, budget_bytes, settings, start, _warm_start(table, model, budget_bytes))
@@ -388,7 +463,8 @@ def step_lower_bound(table: ChoiceTable) -> float:
 def peak_lower_bound(table: ChoiceTable) -> int:
     """Bytes per rank below every plan's peak: each unit's least persistent, transient and prefetch bytes."""
     least = [tuple(min(k) for k in zip(*(_memory_key(c) for c in unit.choices), strict=True)) for unit in table.units]
-    return (sum(k[0] for k in least) + _transient_peak([k[1] for k in least], [k[2] for k in least])
+    # Neighbours only: with each unit's least prefetch, a carried buffer could be one no plan has.
+    return (sum(k[0] for k in least) + _transient_peak([k[1] for k in least], [k[2] for k in least], through=False)
             + table.activation_bytes + table.fixed_bytes)
 
 
@@ -419,7 +495,10 @@ def _warm_start(table: ChoiceTable, model: _Model, budget_bytes: int
         choices.append(kept.choice)
         values.update({x.name: float(c is kept) for c, x in pairs})
     costs = _chosen(table, choices)
-    values["T"] = _transient_peak([c.transient_bytes for c in costs], [c.prefetch for c in costs]) / model.scale
+    prefetches = [c.prefetch for c in costs]
+    values["T"] = _transient_peak([c.transient_bytes for c in costs], prefetches) / model.scale
+    for tag, carried in (("b", _carried(prefetches)), ("a", _carried(prefetches[::-1])[::-1])):
+        values.update({f"C{tag}_{u}": held / model.scale for u, held in enumerate(carried)})
     return tuple(choices), values
 
 
@@ -493,7 +572,7 @@ def knapsack_dp(table: ChoiceTable, budget_bytes: int, resolution_bytes: int = 2
     units = table.units
     worst = [max(c.transient_bytes for c in unit.choices) for unit in units]
     worst_prefetch = [max(c.prefetch for c in unit.choices) for unit in units]
-    reserve = _transient_peak(worst, worst_prefetch) + table.activation_bytes + table.fixed_bytes
+    reserve = _transient_ceiling(worst, worst_prefetch) + table.activation_bytes + table.fixed_bytes
     weights = [[-(-c.persistent_bytes // resolution_bytes) for c in u.choices] for u in units]
     capacity = (budget_bytes - reserve) // resolution_bytes - sum(min(w) for w in weights)
     if capacity < 0:

@@ -47,7 +47,8 @@ def random_table(seed: int) -> ChoiceTable:
         held = rng.randint(0, 500 * factor) if rng.random() < 0.5 else 0
         transient = rng.randint(0, 1500 * factor)
         # Half the choices prefetch only part of their transient (zero3: parameters, not gradients).
-        prefetch = rng.randint(0, transient) if rng.random() < 0.5 else None
+        # A quarter gather nothing (replicated): a farther unit's buffer passes them.
+        prefetch = rng.choice((rng.randint(0, transient), 0)) if rng.random() < 0.5 else None
         comm = rng.uniform(0.0, 1.0)
         exposed = rng.uniform(0.0, comm) if rng.random() < 0.5 else 0.0  # latency overlap cannot hide
         return (name, rng.randint(0, 1000 * factor), held, transient,
@@ -68,8 +69,13 @@ def evaluate(table: ChoiceTable, combo: tuple[ChoiceCost, ...], pair_term: bool 
     """Independent oracle: peak bytes and step seconds, straight from the formulas."""
     transients = [c.transient_bytes for c in combo]
     held = [c.transient_bytes if c.prefetch_bytes is None else c.prefetch_bytes for c in combo]
-    pairs = [max(transients[u] + held[u + 1], held[u] + transients[u + 1])
-             for u in range(len(combo) - 1)] if pair_term else []
+
+    def nearest_gathering(units: range) -> int:  # units that gather nothing (held 0) let it through
+        return next((held[v] for v in units if held[v]), 0)
+
+    n = len(combo)
+    pairs = [transients[u] + max(nearest_gathering(range(u - 1, -1, -1)), nearest_gathering(range(u + 1, n)))
+             for u in range(n)] if pair_term else []
     peak = (sum(c.state_bytes + c.held_bytes for c in combo) + max(transients + pairs)
             + table.activation_bytes + table.fixed_bytes)
     step = sum(c.compute_s + max(c.exposed_s, c.comm_s - (u.overlap_s if overlap else 0.0))
@@ -181,16 +187,22 @@ def test_random_instances_exercise_pair_term_and_overlap() -> None:
     assert overlap_binds >= 5
 
 
-def test_prefetch_pair_keeps_sharded_units_apart() -> None:
-    # Sharding a unit frees 100 bytes but its gather (60) is in flight with its neighbour's.
+def test_a_replicated_unit_does_not_keep_sharded_units_apart() -> None:
+    # Sharding a unit frees 100 bytes, but its gather (60) stays alive until the next unit that
+    # gathers: a replicated unit between two sharded ones gathers nothing (FSDP2's forward keeps the
+    # last all-gather's buffer; its backward prefetches the next sharded unit, past replicated ones).
     rep, z3, z3_cheap = ("rep", 100, 0, 0, 1.0, 0.0), ("z3", 0, 0, 60, 2.0, 0.0), ("z3", 0, 0, 60, 1.5, 0.0)
     table = make_table([[rep, z3], [rep, z3_cheap], [rep, z3]])
-    # Ignoring the pair, sharding units 0 and 1 (or 1 and 2) would take 4.5 s at "160" bytes;
-    # really they peak at 100 + 60 + 60 = 220 > 180, so units 0 and 2 must be the ones sharded.
+    assert peak_bytes(table, ("z3", "rep", "z3")) == 100 + 60 + 60
+    # No plan with two sharded units fits 180 bytes, however they are placed: all three are sharded.
     solution = solve_choice_table(table, 180)
-    assert solution.choices == ("z3", "rep", "z3")
-    assert solution.peak_bytes == 160
-    assert solution.step_s == pytest.approx(5.0)
+    assert solution.choices == ("z3", "z3", "z3") and solution.peak_bytes == 120
+    assert solution.step_s == pytest.approx(5.5)
+    # A middle unit that gathers a little ends the first buffer: the far pair no longer coexists.
+    gathers_a_little = ("small", 100, 0, 10, 1.0, 0.0)
+    table = make_table([[rep, z3], [gathers_a_little], [rep, z3]])
+    assert peak_bytes(table, ("z3", "small", "z3")) == 100 + 60 + 10
+    assert solve_choice_table(table, 170).choices == ("z3", "small", "z3")
 
 
 def test_ilp_strictly_better_than_dp_on_pair_term() -> None:
@@ -342,6 +354,18 @@ def test_the_fastest_plan_needs_no_solver(monkeypatch: pytest.MonkeyPatch) -> No
     assert solution.step_s == pytest.approx(min(r[1] for r in results), rel=REL_TOL)
     assert solve.step_lower_bound(table) == pytest.approx(solution.step_s, rel=REL_TOL)
     assert solve.peak_lower_bound(table) <= min(r[0] for r in results)
+
+
+def test_peak_bounds_hold_on_every_random_table() -> None:
+    """The lower bound and the ceiling the ILP and the knapsack rely on, against every plan."""
+    for seed in SEEDS:
+        table, results = brute_force(seed)
+        assert solve.peak_lower_bound(table) <= min(r[0] for r in results)
+        worst = [max(c.transient_bytes for c in u.choices) for u in table.units]
+        worst_prefetch = [max(c.prefetch for c in u.choices) for u in table.units]
+        ceiling = solve._transient_ceiling(worst, worst_prefetch)
+        for _, _, combo in results:
+            assert solve._transient_peak([c.transient_bytes for c in combo], [c.prefetch for c in combo]) <= ceiling
 
 
 @pytest.mark.parametrize("seed", SEEDS[:20])
