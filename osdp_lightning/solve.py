@@ -383,18 +383,19 @@ def solve_choice_table(table: ChoiceTable, budget_bytes: int, time_limit_s: floa
     fastest = _fastest_plan(table)
     if peak_bytes(table, fastest) <= budget_bytes:  # it reaches the lower bound: nothing to search
         return _solution(table, fastest, OPTIMAL, None, start)
-    # The relaxation first (buffers of neighbours only): its optimum is the true one when it fits
-    # exactly (most plans put no replicated unit between two sharded ones), else the exact model.
+    # The relaxation first (buffers of neighbours only): its plan, when it fits exactly, is the
+    # true optimum (or within the gap its bound proves: the relaxation's bound holds for the true
+    # problem too); most plans put no replicated unit between two sharded ones. Else the exact model.
     relaxed = _build_model(table, carry=False)
     relaxed.problem.setObjective(_step_objective(table, relaxed))
     warm = _warm_start(table, relaxed, budget_bytes)
     _set_budget(relaxed, budget_bytes)
     status, bound, choices = _run_once(relaxed, settings, start, warm[1] if warm else None)
-    if status == INFEASIBLE or (status == OPTIMAL and peak_bytes(table, choices) <= budget_bytes):
+    if status == INFEASIBLE or (choices and peak_bytes(table, choices) <= budget_bytes):
         return _solution(table, choices, status, bound, start)
-    model = _build_model(table)
+    model = _build_model(table)  # NOTE: the same choices and variable names: the seed carries over
     model.problem.setObjective(_step_objective(table, model))
-    return _solve_within(table, model, budget_bytes, settings, start, _warm_start(table, model, budget_bytes))
+    return _solve_within(table, model, budget_bytes, settings, start, warm)
 
 
 def _solve_within(table: ChoiceTable, model: _Model, budget_bytes: int, settings: SolverSettings, start: float,
