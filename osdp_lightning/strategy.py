@@ -266,7 +266,8 @@ class OSDPStrategy(ModelParallelStrategy):
                 # NOTE: a saved plan skips calibration, whose collectives also warm the process group
                 # up: without them the same all-replicate plan ran 0.15 s a step instead of 0.11 for
                 # the whole run (GPT 4 x 384, 2 gloo ranks; a tiny all-reduce and an all-gather suffice).
-                self._timings = measure_collectives(self.root_device)
+                with preserved_rng():  # it draws random numbers: dropout must match an unwarmed run
+                    self._timings = measure_collectives(self.root_device)
             return self._plan_source
         if self.micro_batch_size not in (None, "auto"):
             _set_batch_size(trainer, module, int(self.micro_batch_size))
