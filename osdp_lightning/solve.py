@@ -63,6 +63,8 @@ _SLACK_RELATIVE = 1e-9
 _MAX_CUTS = 20
 _TIGHTEN_TRIES = 8
 _MAX_DP_CELLS = 5 * 10**8
+_BEFORE, _AFTER = "b", "a"
+"""Tags of the carry variables (``Cb_u``, ``Ca_u``): the solver's seed sets them by name."""
 _WARM_DP_CELLS = 4096
 """Memory cells per unit of the knapsack run that seeds the solver (coarse: it only has to fit)."""
 
@@ -261,8 +263,8 @@ def _peak_rows(problem: pulp.LpProblem, peak_t: pulp.LpVariable, variables: list
     """``T >= tr[u] +`` the buffer alive beside it on either side (_transient_peak): carried from
     the nearest unit that gathers (``carry``) or its neighbour's own; the carry variables."""
     if carry:
-        after = _carry_variables(problem, variables, prefetches, scale, "a", reverse=True)
-        before = _carry_variables(problem, variables, prefetches, scale, "b", reverse=False)
+        after = _carry_variables(problem, variables, prefetches, scale, _AFTER, reverse=True)
+        before = _carry_variables(problem, variables, prefetches, scale, _BEFORE, reverse=False)
         sides = {"f": [(0, [(c, -1.0)]) for c in after[1:]] + [None],
                  "b": [None] + [(0, [(c, -1.0)]) for c in before[:-1]]}
     else:
@@ -284,18 +286,18 @@ def _carry_variables(problem: pulp.LpProblem, variables: list, prefetches: list,
     for a given plan the least ``C`` these allow is the carried buffer, and a larger one only
     raises ``T``."""
     order = range(len(variables) - 1, -1, -1) if reverse else range(len(variables))
-    carries: dict[int, pulp.LpVariable] = {}
-    prev, reach = None, 0.0
+    carries: list[pulp.LpVariable] = []
+    reach = 0.0
     for u in order:
         carry = _new_variable(problem, f"C{tag}_{u}", pulp.LpContinuous)
         least, terms = prefetches[u]
         problem += pulp.LpAffineExpression([(carry, 1.0), *terms]) >= least / scale, f"own_{tag}{u}"
         gathers = [(x, reach) for c, x in variables[u] if c.prefetch > 0]
-        if prev is not None and len(gathers) < len(variables[u]):  # some choice lets the buffer through
-            problem += pulp.LpAffineExpression([(carry, 1.0), (prev, -1.0), *gathers]) >= 0, f"pass_{tag}{u}"
+        if carries and len(gathers) < len(variables[u]):  # some choice lets the buffer through
+            problem += pulp.LpAffineExpression([(carry, 1.0), (carries[-1], -1.0), *gathers]) >= 0, f"pass_{tag}{u}"
         reach = max(reach, max(c.prefetch for c, _ in variables[u]) / scale)
-        carries[u], prev = carry, carry
-    return [carries[u] for u in range(len(variables))]
+        carries.append(carry)
+    return carries[::-1] if reverse else carries
 
 
 def _set_budget(model: _Model, budget_bytes: float) -> None:
@@ -498,7 +500,7 @@ def _warm_start(table: ChoiceTable, model: _Model, budget_bytes: int
     costs = _chosen(table, choices)
     prefetches = [c.prefetch for c in costs]
     values["T"] = _transient_peak([c.transient_bytes for c in costs], prefetches) / model.scale
-    for tag, carried in (("b", _carried(prefetches)), ("a", _carried(prefetches[::-1])[::-1])):
+    for tag, carried in ((_BEFORE, _carried(prefetches)), (_AFTER, _carried(prefetches[::-1])[::-1])):
         values.update({f"C{tag}_{u}": held / model.scale for u, held in enumerate(carried)})
     return tuple(choices), values
 
