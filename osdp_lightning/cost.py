@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.profile import ModelProfile, UnitProfile
 from osdp_lightning.step_terms import ALL_GATHER, ALL_REDUCE, PLAIN, REDUCE_SCATTER
+from osdp_lightning.units import ROOT
 
 
 @dataclass(frozen=True)
@@ -131,8 +132,8 @@ class ChoiceCost:
     compute_s: float
     comm_s: float
     prefetch_bytes: int | None = None
-    """Bytes this unit already holds while a neighbour runs (FSDP2 prefetches the next all-gather,
-    not its gradients); ``None`` means the whole transient."""
+    """Bytes of its forward all-gather's output, alive while a neighbour runs (FSDP2 keeps it until
+    the next all-gather's copy-out); ``None`` means the whole transient."""
     exposed_s: float = 0.0
     """Part of ``comm_s`` no overlap hides: one launch latency per collective call."""
     activation_bytes: int = 0
@@ -145,14 +146,36 @@ class ChoiceCost:
     """Seconds per step of the machinery that applies the choice (FSDP2's per-unit copy-in/out,
     unshard allocation and hooks, a reducer's bucketing), besides compute and collectives."""
 
+    forward_bytes: int | None = None
+    """Its own bytes alive when its forward starts, besides what earlier units keep: FSDP2 copies
+    the gathered parameters out of the all-gather's output, so both (zero2's held copy included).
+    ``None``: as in its backward (held, activations and transient; never the larger moment)."""
+
+    backward_prefetch_bytes: int | None = None
+    """Bytes all-gathered for its backward, which FSDP2 prefetches while the unit after it runs
+    backward; ``None``: :attr:`prefetch` (zero2 gathers nothing then: 0)."""
+
     @property
     def prefetch(self) -> int:
         return self.transient_bytes if self.prefetch_bytes is None else self.prefetch_bytes
 
     @property
+    def backward_prefetch(self) -> int:
+        return self.prefetch if self.backward_prefetch_bytes is None else self.backward_prefetch_bytes
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes alive from this unit's forward to its backward (held parameters, activations)."""
+        return self.held_bytes + self.activation_bytes
+
+    @property
+    def forward_peak_bytes(self) -> int:
+        return self.live_bytes + self.transient_bytes if self.forward_bytes is None else self.forward_bytes
+
+    @property
     def persistent_bytes(self) -> int:
         """Bytes alive through the whole step or from this unit's forward to its backward."""
-        return self.state_bytes + self.held_bytes + self.activation_bytes
+        return self.state_bytes + self.live_bytes
 
 
 @dataclass(frozen=True)
@@ -162,6 +185,10 @@ class UnitCosts:
     name: str
     choices: tuple[ChoiceCost, ...]
     overlap_s: float
+    spans_step: bool = False
+    """Its live bytes may be alive at any moment of the step (the root, whose own operations run
+    all through it; an interleaved unit, ``UnitProfile.interleaved``), not only from its place in
+    the execution order to its backward."""
 
     def cost_of(self, choice: str) -> ChoiceCost:
         for cost in self.choices:
@@ -245,7 +272,8 @@ def build_choice_table(profile: ModelProfile, cluster: ClusterSpec, micro_batch_
         # without their modifiers.
         offered = offered or [c for c in dict.fromkeys(c.base for c in allowed) if is_allowed(unit, c, ctx)]
         costs = tuple(choice_cost(unit, choice, ctx) for choice in offered)
-        units.append(UnitCosts(unit.name, costs, _overlap_s(profile, index, cluster) * ctx.batch_scale))
+        units.append(UnitCosts(unit.name, costs, _overlap_s(profile, index, cluster) * ctx.batch_scale,
+                               spans_step=unit.interleaved or unit.name == ROOT))
     # Every choice's cost holds its unit's activations; the table keeps the rest of the peak
     # (backward temporaries; negative when the dry run counts part of the saved bytes as fixed).
     per_unit = sum(ctx.activation_bytes(unit) for unit in profile.units)

@@ -143,7 +143,8 @@ def _unit_profiles(module: nn.Module, specs: Sequence[UnitSpec], step: FakeStep,
         units.append(assemble_unit(
             module, spec.name, spec.module_names, owned[spec.name],
             forward_s=flops[0] * seconds_per_flop, backward_s=flops[1] * seconds_per_flop,
-            activation_bytes=saved, input_bytes=step.input_bytes.get(spec.name, 0), split_overhead_s=overheads))
+            activation_bytes=saved, input_bytes=step.input_bytes.get(spec.name, 0), split_overhead_s=overheads,
+            interleaved=spec.name in step.interleaved))
     return tuple(units)
 
 

@@ -175,6 +175,7 @@ class FakeStep:
     output_numel: dict[str, int]
     forward_flops: dict[str, int]
     backward_flops: dict[str, int]
+    interleaved: frozenset[str] = frozenset()
 
 
 def run_fake_step(module: nn.Module, specs: Sequence[UnitSpec], run_loss: Callable[[], torch.Tensor]) -> FakeStep:
@@ -190,7 +191,7 @@ def run_fake_step(module: nn.Module, specs: Sequence[UnitSpec], run_loss: Callab
     total = _unit_flops(module, specs, total_counts)
     backward = {name: max(total[name] - forward[name], 0) for name in total}
     return FakeStep(recorder.order, recorder.saved_bytes, recorder.input_bytes, recorder.output_numel, forward,
-                     backward)
+                    backward, frozenset(recorder.interleaved))
 
 
 class _LiveBytes(TorchDispatchMode):

@@ -54,6 +54,10 @@ class UnitProfile:
     largest_tensor_count: int = 0
     """Elements of its largest trainable parameter tensor (a replicated unit's gradients arrive one
     tensor at a time); 0: not known, priced as the whole unit."""
+    interleaved: bool = False
+    """Its forward runs again after another unit's started (tied embedding and head): its
+    activations and held bytes may be alive at any moment of the step, not only between its
+    place in the execution order and its backward."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,7 @@ class _StepSample:
     input_bytes: dict[str, int]
     order: list[str]
     step_s: float
+    interleaved: frozenset[str] = frozenset()
 
 
 def _measure_step(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[], torch.Tensor],
@@ -120,7 +125,8 @@ def _measure_step(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
     backward_s[ROOT] = max(end - previous, 0.0)
     forward_s = dict(rec.forward_s)
     forward_s[ROOT] = max(forward_end - start - sum(rec.forward_s.values()), 0.0)
-    return _StepSample(forward_s, backward_s, dict(rec.saved_bytes), dict(rec.input_bytes), rec.order, end - start)
+    return _StepSample(forward_s, backward_s, dict(rec.saved_bytes), dict(rec.input_bytes), rec.order, end - start,
+                       frozenset(rec.interleaved))
 
 
 def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[], torch.Tensor],
@@ -245,7 +251,8 @@ def _unit_profile(name: str, module_names: tuple[str, ...], params: list[nn.Para
         root, name, module_names, params,
         forward_s=statistics.median(s.forward_s.get(name, 0.0) for s in samples),
         backward_s=statistics.median(s.backward_s.get(name, 0.0) for s in samples),
-        activation_bytes=samples[0].saved_bytes.get(name, 0), input_bytes=samples[0].input_bytes.get(name, 0))
+        activation_bytes=samples[0].saved_bytes.get(name, 0), input_bytes=samples[0].input_bytes.get(name, 0),
+        interleaved=name in samples[0].interleaved)
 
 
 def linear_shape_of(root: nn.Module, name: str, module_names: tuple[str, ...]) -> tuple[int, int] | None:
@@ -256,7 +263,7 @@ def linear_shape_of(root: nn.Module, name: str, module_names: tuple[str, ...]) -
 
 def assemble_unit(root: nn.Module, name: str, module_names: tuple[str, ...], params: list[nn.Parameter], *,
                   forward_s: float, backward_s: float, activation_bytes: int, input_bytes: int,
-                  split_overhead_s: tuple[tuple[int, float], ...] = ()) -> UnitProfile:
+                  split_overhead_s: tuple[tuple[int, float], ...] = (), interleaved: bool = False) -> UnitProfile:
     """One unit's profile from its parameters and its figures (measured or estimated)."""
     return UnitProfile(
         name=name, module_names=module_names,
@@ -265,7 +272,8 @@ def assemble_unit(root: nn.Module, name: str, module_names: tuple[str, ...], par
         forward_s=forward_s, backward_s=backward_s, activation_bytes=activation_bytes, input_bytes=input_bytes,
         linear_shape=linear_shape_of(root, name, module_names), split_overhead_s=split_overhead_s,
         tensor_count=sum(1 for p in params if p.requires_grad),
-        largest_tensor_count=max((p.numel() for p in params if p.requires_grad), default=0))
+        largest_tensor_count=max((p.numel() for p in params if p.requires_grad), default=0),
+        interleaved=interleaved)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,9 @@
 
 Hooks on every unit's modules record, during one forward and backward, per unit:
 
-- the execution order (first forward call);
+- the execution order (first forward call), and which units run again after another unit
+  started (tied modules such as an embedding and its head: their activations may be alive
+  at any moment of the step, docs/design.md section 4);
 - its own forward seconds (a nested unit's time is charged to it, not to the unit around it);
 - the bytes saved for backward while it is the innermost running unit (each storage once,
   parameters excluded): what the unit keeps from forward to backward;
@@ -43,6 +45,8 @@ class StepRecorder:
                  ) -> None:
         self.root, self.specs, self.clock = root, list(specs), clock
         self.order: list[str] = []
+        self.interleaved: set[str] = set()
+        self._modules = {s.name: s.module_names for s in self.specs}
         self.forward_s: dict[str, float] = {}
         self.grad_done_t: dict[str, float] = {}
         self.saved_bytes: dict[str, int] = {s.name: 0 for s in self.specs} | {ROOT: 0}
@@ -75,9 +79,16 @@ class StepRecorder:
         def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
             if name not in self.order:
                 self.order.append(name)
+            elif any(not self._nested(later, name) for later in self.order[self.order.index(name) + 1:]):
+                self.interleaved.add(name)
             self.input_bytes[name] = self.input_bytes.get(name, 0) + self._tensor_bytes((args, kwargs))
             self._stack.append([name, self.clock(), 0.0])
         return hook
+
+    def _nested(self, inner: str, outer: str) -> bool:
+        """Whether unit ``inner``'s modules lie inside unit ``outer``'s (a block's parts)."""
+        return all(any(m.startswith(f"{o}.") or not o for o in self._modules.get(outer, ()))
+                   for m in self._modules.get(inner, ()))
 
     def _post(self, name: str) -> Callable:
         def hook(_mod: nn.Module, _args: object, out: object) -> None:

@@ -3,13 +3,17 @@
 The integer program, for one :class:`~osdp_lightning.cost.ChoiceTable` (all bytes per rank):
 
 - ``x[u,c]`` binary, ``sum_c x[u,c] = 1`` for every unit ``u``;
-- ``T >= tr[u] + Cb[u-1]`` and ``T >= tr[u] + Ca[u+1]`` for every unit (``tr[u] = sum_c
-  transient[u,c] x[u,c]``, ``pf`` likewise with ``prefetch``), where ``Cb[u]`` / ``Ca[u]`` is the
-  ``pf`` of the nearest unit at or before / after ``u`` that all-gathers (``pf > 0``): FSDP2 keeps
-  the last all-gather's buffer until the next (forward) and prefetches the next (backward), and
-  replicated units between do neither (``_carry_variables``; ``C >= pf[u]``, ``C >= C[prev] -
-  M * gathers[u]``);
-- memory: ``sum(state + held + activation) x + T + activation_bytes + fixed_bytes <= budget``;
+- ``T`` is the peak over every unit's forward and backward moments (:func:`_moment_peak`), with
+  ``live = held + activation`` (kept from a unit's forward to its backward) summed in running
+  variables ``L[u] >= L[u-1] + live[u]`` (units that span the step in every moment):
+  ``T >= L[<u] + forward[u] + Cf[u-1]`` (forward) and ``T >= L[<=u] + transient[u] + Cb[u-1]``,
+  ``T >= L[<=u] + transient[u] + Ca[u+1]`` (backward). ``Cf[u]`` is the forward all-gather
+  buffer (``prefetch``) of the nearest unit at or before ``u`` that all-gathers, ``Cb[u]`` /
+  ``Ca[u]`` the backward gather (``backward_prefetch``) of the nearest one before / after: FSDP2
+  keeps the last all-gather's buffer until the next (forward) and prefetches the next (backward),
+  and replicated units between do neither (``_carry_variables``; ``C >= pf[u]``,
+  ``C >= C[prev] - M * gathers[u]``);
+- memory: ``sum(state) x + T + activation_bytes + fixed_bytes <= budget``;
 - minimise ``fixed_step_s + sum(compute + optimizer + overhead) x + sum_u e[u]`` with
   ``e[u] = max(exposed[u,c], comm[u,c] - overlap[u])`` of the chosen ``c`` (``exposed``: the latency
   no overlap hides). Because exactly one ``x[u,c]`` is 1, that max is the linear term
@@ -63,8 +67,9 @@ _SLACK_RELATIVE = 1e-9
 _MAX_CUTS = 20
 _TIGHTEN_TRIES = 8
 _MAX_DP_CELLS = 5 * 10**8
-_BEFORE, _AFTER = "b", "a"
-"""Tags of the carry variables (``Cb_u``, ``Ca_u``): the solver's seed sets them by name."""
+_FORWARD, _BEFORE, _AFTER = "f", "b", "a"
+"""Tags of the carry variables (``Cf_u``: forward buffers from before; ``Cb_u`` / ``Ca_u``: backward
+gathers from before / after): the solver's seed sets them by name."""
 _WARM_DP_CELLS = 4096
 """Memory cells per unit of the knapsack run that seeds the solver (coarse: it only has to fit)."""
 
@@ -108,19 +113,39 @@ def _carried(prefetches: list[int], through: bool = True) -> list[int]:
     return carried
 
 
-def _transient_peak(transients: list[int], prefetches: list[int] | None = None, through: bool = True) -> int:
-    """Largest transient bytes alive at once: one running unit, plus the all-gathered parameters of
-    the nearest unit that all-gathers before it and after it in execution order.
+def _moment_peak(costs: list[ChoiceCost], spans: list[bool], through: bool = True,
+                 parts: tuple[list[int], ...] | None = None) -> int:
+    """Largest bytes alive at once besides the state: the peak over every unit's forward and backward.
 
-    FSDP2 prefetches the next all-gather (backward) and keeps the last all-gather's buffer until the
-    next one (forward): units that gather nothing (replicated, on DDP's reducer) do not end either,
-    so a replicated run between two sharded units leaves the far one's buffer alive (measured with
+    At unit ``u``'s forward: the live bytes (held parameters, activations) of the units before it,
+    its own forward bytes and the buffer of the nearest unit before it that all-gathers; at its
+    backward: the live bytes up to it and its transient beside that buffer or the one of the
+    nearest unit after it. Units after ``u`` have not run yet (forward) or are through backward
+    (backward). A unit that ``spans`` the step counts in every moment, and its own moments count
+    every unit. ``parts``: (live, forward, transient, prefetch, backward prefetch) lists instead of
+    ``costs``' (bounds use each unit's least or largest).
+
+    FSDP2 keeps the last forward all-gather's buffer until the next one (``prefetch``) and
+    prefetches the next all-gather in backward (``backward_prefetch``; zero2 gathers nothing
+    then): units that gather nothing (replicated, on DDP's reducer) end neither, so a replicated
+    run between two sharded units leaves the far one's buffer alive (measured with
     FSDPMemTracker, docs/design.md section 4). ``through=False``: neighbours only (a lower bound).
     """
-    prefetches = transients if prefetches is None else prefetches
-    before = [0, *_carried(prefetches, through)[:-1]]
-    after = [*_carried(prefetches[::-1], through)[::-1][1:], 0]
-    return max((t + max(b, a) for t, b, a in zip(transients, before, after, strict=True)), default=0)
+    live, forward, transients, prefetches, backward = parts or (
+        [c.live_bytes for c in costs], [c.forward_peak_bytes for c in costs],
+        [c.transient_bytes for c in costs], [c.prefetch for c in costs], [c.backward_prefetch for c in costs])
+    buffer = [0, *_carried(prefetches, through)[:-1]]
+    before = [0, *_carried(backward, through)[:-1]]
+    after = [*_carried(backward[::-1], through)[::-1][1:], 0]
+    total = sum(live)
+    below = sum(b for b, spanning in zip(live, spans, strict=True) if spanning)
+    peak = 0
+    for u, spanning in enumerate(spans):
+        upto = total if spanning else below + live[u]
+        peak = max(peak, (total if spanning else below) + forward[u] + buffer[u],
+                   upto + transients[u] + max(before[u], after[u]))
+        below = below if spanning else upto
+    return peak
 
 
 def _transient_ceiling(transients: list[int], prefetches: list[int]) -> int:
@@ -134,9 +159,8 @@ def _transient_ceiling(transients: list[int], prefetches: list[int]) -> int:
 def peak_bytes(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> int:
     """Exact per-rank peak of an assignment under the model the ILP uses."""
     costs = _chosen(table, choices)
-    persistent = sum(cost.persistent_bytes for cost in costs)
-    transient = _transient_peak([cost.transient_bytes for cost in costs], [cost.prefetch for cost in costs])
-    return persistent + transient + table.activation_bytes + table.fixed_bytes
+    moments = _moment_peak(costs, [unit.spans_step for unit in table.units])
+    return sum(cost.state_bytes for cost in costs) + moments + table.activation_bytes + table.fixed_bytes
 
 
 def _choice_step_s(unit: UnitCosts, cost: ChoiceCost) -> float:
@@ -154,13 +178,13 @@ def step_seconds(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> fl
 
 def _memory_scale(table: ChoiceTable) -> int:
     """Power of ten that brings a whole model's bytes to at most ``_MAX_SCALED``."""
-    total = sum(max(c.persistent_bytes + 2 * c.transient_bytes for c in u.choices)
+    total = sum(max(c.persistent_bytes + c.forward_peak_bytes + 2 * c.transient_bytes for c in u.choices)
                 for u in table.units)
     return 10 ** max(0, math.ceil(math.log10(max(total, 1) / _MAX_SCALED)))
 
 
 def _candidates(unit: UnitCosts) -> list[ChoiceCost]:
-    """Choices not dominated in (persistent, transient, prefetch bytes, seconds) by another one.
+    """Choices not dominated in memory (:func:`_memory_key`) and seconds by another one.
 
     Dropping them keeps the optimum exact: swapping a dominated choice for its dominator never
     raises the peak or the step time. Ties keep the first listed choice.
@@ -176,10 +200,13 @@ def _candidates(unit: UnitCosts) -> list[ChoiceCost]:
     return [c for c, dominated in zip(unit.choices, dominates.any(axis=0), strict=True) if not dominated]
 
 
-def _memory_key(cost: ChoiceCost) -> tuple[int, int, int, int]:
-    # NOTE: gathering nothing (prefetch 0) lets a farther unit's buffer through (_transient_peak):
-    # worse in that respect than gathering a little, so it is a key of its own.
-    return cost.persistent_bytes, cost.transient_bytes, cost.prefetch, int(cost.prefetch == 0)
+def _memory_key(cost: ChoiceCost) -> tuple[int, ...]:
+    """State, live, forward, transient, prefetch and backward prefetch bytes, and whether it gathers
+    nothing in forward / in backward."""
+    # NOTE: the peak grows with each of these (_moment_peak). Gathering nothing (prefetch 0) lets a
+    # farther unit's buffer through: worse in that respect than gathering a little, a key of its own.
+    return (cost.state_bytes, cost.live_bytes, cost.forward_peak_bytes, cost.transient_bytes, cost.prefetch,
+            cost.backward_prefetch, int(cost.prefetch == 0), int(cost.backward_prefetch == 0))
 
 
 @dataclass(frozen=True)
@@ -188,16 +215,17 @@ class _Model:
     variables: tuple[tuple[tuple[ChoiceCost, pulp.LpVariable], ...], ...]
     """Per unit, its candidate choices and their binaries."""
     memory: pulp.LpAffineExpression
-    """Scaled, choice-dependent bytes (persistent + T) minus their constant part."""
+    """Scaled, choice-dependent bytes (state + T, the peak of the moments) minus their constant part."""
     memory_row: pulp.LpConstraint
     """``memory <= budget``; its right-hand side is set per solve (see :func:`_set_budget`)."""
     memory_offset_bytes: int
-    """Bytes of the peak that no choice changes (minima, activations, fixed)."""
+    """Bytes of the peak that no choice changes (least state, activations, fixed)."""
     max_peak_bytes: int
     """Peak of the heaviest choices everywhere: budgets above it constrain nothing."""
     scale: int
     columns: tuple[pulp.LpVariable, ...]
-    """Every variable (``T`` and the binaries), so the solver need not collect them from the rows."""
+    """Every variable (``T``, live and carry levels, the binaries), so the solver need not collect
+    them from the rows."""
 
 
 def _new_variable(problem: pulp.LpProblem, name: str, category: str) -> pulp.LpVariable:
@@ -220,7 +248,8 @@ def _differences(pairs: list[tuple[ChoiceCost, pulp.LpVariable]], size: Callable
 
 
 def _build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> _Model:
-    """Variables, one-choice rows, prefetch-pair rows and the memory row; the objective is set later.
+    """Variables, one-choice rows, the rows of every unit's forward and backward moments and the
+    memory row; the objective is set later.
 
     ``prune``: leave out dominated choices (exact for the optimum, not for the k best plans).
     ``carry``: buffers carried past units that gather nothing (exact); without, each unit's
@@ -231,7 +260,7 @@ def _build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> 
     scale = _memory_scale(table)
     problem = pulp.LpProblem("osdp", pulp.LpMinimize)
     peak_t = _new_variable(problem, "T", pulp.LpContinuous)
-    variables, persistent_terms, transients, prefetches = [], [], [], []
+    variables, state_terms, sizes = [], [], {key: [] for key in _SIZES}
     offset = table.activation_bytes + table.fixed_bytes
     kept: dict[tuple, list[ChoiceCost]] = {}  # identical units (same costs) are pruned once
     for u, unit in enumerate(table.units):
@@ -242,46 +271,101 @@ def _build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> 
         variables.append(tuple(pairs))
         problem += pulp.LpAffineExpression([(x, 1.0) for _, x in pairs]) == 1, f"one_{u}"
         # NOTE: per-unit minima move to constants, so the rows only carry the differences.
-        least, terms = _differences(pairs, lambda c: c.persistent_bytes, scale, 1.0)
+        least, terms = _differences(pairs, lambda c: c.state_bytes, scale, 1.0)
         offset += least
-        persistent_terms += terms
-        transients.append(_differences(pairs, lambda c: c.transient_bytes, scale, -1.0))
-        prefetches.append(_differences(pairs, lambda c: c.prefetch, scale, -1.0))
-    carries = _peak_rows(problem, peak_t, variables, transients, prefetches, scale, carry)
-    memory = pulp.LpAffineExpression([*persistent_terms, (peak_t, 1.0)])
-    max_peak = offset + round(sum(coef for _, coef in persistent_terms) * scale) + _transient_ceiling(
-        [max(c.transient_bytes for c, _ in pairs) for pairs in variables],
-        [max(c.prefetch for c, _ in pairs) for pairs in variables])
+        state_terms += terms
+        for name, size in _SIZES.items():
+            sizes[name].append(_differences(pairs, size, scale, -1.0))
+    levels, level_vars = _live_levels(problem, table, sizes["live"])
+    carries = _peak_rows(problem, peak_t, variables, levels, sizes, scale, carry)
+    memory = pulp.LpAffineExpression([*state_terms, (peak_t, 1.0)])
+    largest = [[max(map(size, (c for c, _ in pairs))) for pairs in variables] for size in (
+        _SIZES["live"], _moment_bytes, _buffer_bytes)]
+    max_peak = (offset + round(sum(coef for _, coef in state_terms) * scale) + sum(largest[0])
+                + _transient_ceiling(largest[1], largest[2]))
     memory_row = memory <= (max_peak + 1 - offset) / scale  # constrains nothing until a budget is set
     problem += memory_row, "memory"
-    columns = (peak_t, *carries, *(x for pairs in variables for _, x in pairs))
+    columns = (peak_t, *level_vars, *carries, *(x for pairs in variables for _, x in pairs))
     return _Model(problem, tuple(variables), memory, memory_row, offset, max_peak, scale, columns)
 
 
-def _peak_rows(problem: pulp.LpProblem, peak_t: pulp.LpVariable, variables: list, transients: list,
-               prefetches: list, scale: int, carry: bool) -> list[pulp.LpVariable]:
-    """``T >= tr[u] +`` the buffer alive beside it on either side (_transient_peak): carried from
-    the nearest unit that gathers (``carry``) or its neighbour's own; the carry variables."""
+_SIZES: dict[str, Callable[[ChoiceCost], int]] = {
+    "live": lambda c: c.live_bytes, "forward": lambda c: c.forward_peak_bytes,
+    "transient": lambda c: c.transient_bytes, "prefetch": lambda c: c.prefetch,
+    "backward": lambda c: c.backward_prefetch}
+"""The parts of a choice's memory the moment rows read (:func:`_moment_peak`)."""
+
+
+def _moment_bytes(cost: ChoiceCost) -> int:
+    """Its larger own moment (forward or backward): what bounds hold for every plan use."""
+    return max(cost.forward_peak_bytes, cost.transient_bytes)
+
+
+def _buffer_bytes(cost: ChoiceCost) -> int:
+    """The larger buffer it leaves beside another unit (forward or backward all-gather)."""
+    return max(cost.prefetch, cost.backward_prefetch)
+
+
+_Level = tuple[int, list[tuple[pulp.LpVariable, float]]]
+"""Bytes as ``(constant, [(variable, -coefficient)])``: the shape of a ``>=`` row's right side."""
+
+
+def _live_levels(problem: pulp.LpProblem, table: ChoiceTable, lives: list[_Level]
+                 ) -> tuple[list[tuple[_Level, _Level]], list[pulp.LpVariable]]:
+    """Per unit, the live bytes alive at its forward and at its backward (see :func:`_moment_peak`),
+    through one running-sum variable per unit (``L[u] >= L[prev] + live[u]``, so the rows stay
+    O(n)) and one for the units that span the step; and those variables. Exact: for a plan, the
+    least values these rows allow are the sums, and larger ones only raise ``T``."""
+    created: list[pulp.LpVariable] = []
+
+    def level(name: str, previous: _Level | None, added: list[int]) -> _Level:
+        var = _new_variable(problem, name, pulp.LpContinuous)
+        created.append(var)
+        least = sum(lives[u][0] for u in added) + (previous[0] if previous else 0)
+        row = [(var, 1.0), *(term for u in added for term in lives[u][1]), *(previous[1] if previous else [])]
+        problem.addConstraint(pulp.LpAffineExpression(row) >= 0, f"row_{name}")
+        return least, [(var, -1.0)]
+
+    running = level("Ls", None, [u for u, unit in enumerate(table.units) if unit.spans_step])
+    moments: list[tuple[_Level, _Level] | None] = []
+    for u, unit in enumerate(table.units):
+        if unit.spans_step:
+            moments.append(None)
+        else:
+            below, running = running, level(f"L_{u}", running, [u])
+            moments.append((below, running))
+    return [m or (running, running) for m in moments], created
+
+
+def _peak_rows(problem: pulp.LpProblem, peak_t: pulp.LpVariable, variables: list, levels: list,
+               sizes: dict[str, list[_Level]], scale: int, carry: bool) -> list[pulp.LpVariable]:
+    """``T >=`` each unit's forward moment (live below it, its forward bytes, the forward buffer
+    before it) and backward moment (live up to it, its transient, the backward gather beside it
+    on either side), buffers carried from the nearest unit that gathers (``carry``) or its
+    neighbour's own; the carry variables."""
     if carry:
-        after = _carry_variables(problem, variables, prefetches, scale, _AFTER, reverse=True)
-        before = _carry_variables(problem, variables, prefetches, scale, _BEFORE, reverse=False)
-        sides = {"f": [(0, [(c, -1.0)]) for c in after[1:]] + [None],
-                 "b": [None] + [(0, [(c, -1.0)]) for c in before[:-1]]}
+        chains = {tag: _carry_variables(problem, variables, sizes[size], _SIZES[size], scale, tag, reverse)
+                  for tag, size, reverse in ((_FORWARD, "prefetch", False), (_BEFORE, "backward", False),
+                                             (_AFTER, "backward", True))}
+        carried = {tag: [(0, [(c, -1.0)]) for c in chain] for tag, chain in chains.items()}
     else:
-        after, before = [], []
-        sides = {"f": prefetches[1:] + [None], "b": [None] + prefetches[:-1]}
-    for u, (run_least, run_terms) in enumerate(transients):
-        held = [(tag, sides[tag][u]) for tag in ("f", "b") if sides[tag][u] is not None]
-        for tag, (held_least, held_terms) in held or [("single", (0, []))]:
-            row = pulp.LpAffineExpression([(peak_t, 1.0), *run_terms, *held_terms])
-            problem += row >= (run_least + held_least) / scale, f"pair_{tag}{u}"
-    return [*after, *before]
+        chains, carried = {}, {_FORWARD: sizes["prefetch"], _BEFORE: sizes["backward"], _AFTER: sizes["backward"]}
+    empty: _Level = (0, [])
+    for u, (below, upto) in enumerate(levels):
+        sides = [(tag, carried[tag][u + step]) for tag, step in ((_BEFORE, -1), (_AFTER, 1))
+                 if 0 <= u + step < len(levels)] or [("single", empty)]
+        moments = [("w", below, sizes["forward"][u], carried[_FORWARD][u - 1] if u else empty),
+                   *((tag, upto, sizes["transient"][u], side) for tag, side in sides)]
+        for tag, live, own, side in moments:
+            row = pulp.LpAffineExpression([(peak_t, 1.0), *live[1], *own[1], *side[1]])
+            problem += row >= (live[0] + own[0] + side[0]) / scale, f"pair_{tag}{u}"
+    return [c for chain in chains.values() for c in chain]
 
 
-def _carry_variables(problem: pulp.LpProblem, variables: list, prefetches: list, scale: int, tag: str,
-                     reverse: bool) -> list[pulp.LpVariable]:
-    """Per unit, ``C[u]``: the all-gathered bytes alive there from the nearest unit that gathers,
-    scanning forward (or from the end with ``reverse``): ``C[u] >= prefetch[u]``, and
+def _carry_variables(problem: pulp.LpProblem, variables: list, buffers: list[_Level],
+                     size: Callable[[ChoiceCost], int], scale: int, tag: str, reverse: bool) -> list[pulp.LpVariable]:
+    """Per unit, ``C[u]``: the all-gathered bytes (``size``) alive there from the nearest unit that
+    gathers, scanning forward (or from the end with ``reverse``): ``C[u] >= size[u]``, and
     ``C[u] >= C[prev] - M * (u gathers)`` (``M``: the largest buffer that can reach ``u``). Exact:
     for a given plan the least ``C`` these allow is the carried buffer, and a larger one only
     raises ``T``."""
@@ -290,12 +374,12 @@ def _carry_variables(problem: pulp.LpProblem, variables: list, prefetches: list,
     reach = 0.0
     for u in order:
         carry = _new_variable(problem, f"C{tag}_{u}", pulp.LpContinuous)
-        least, terms = prefetches[u]
+        least, terms = buffers[u]
         problem += pulp.LpAffineExpression([(carry, 1.0), *terms]) >= least / scale, f"own_{tag}{u}"
-        gathers = [(x, reach) for c, x in variables[u] if c.prefetch > 0]
+        gathers = [(x, reach) for c, x in variables[u] if size(c) > 0]
         if carries and len(gathers) < len(variables[u]):  # some choice lets the buffer through
             problem += pulp.LpAffineExpression([(carry, 1.0), (carries[-1], -1.0), *gathers]) >= 0, f"pass_{tag}{u}"
-        reach = max(reach, max(c.prefetch for c, _ in variables[u]) / scale)
+        reach = max(reach, max(size(c) for c, _ in variables[u]) / scale)
         carries.append(carry)
     return carries[::-1] if reverse else carries
 
@@ -329,8 +413,8 @@ def _step_objective(table: ChoiceTable, model: _Model) -> pulp.LpAffineExpressio
 def _exclude(model: _Model, choices: tuple[str, ...], heavier_too: bool = True) -> None:
     """Cut off one assignment; ``heavier_too``: with every plan at least as heavy in every unit.
 
-    The peak only grows with each unit's persistent and transient bytes, so when ``choices`` is
-    over budget all of those are too: the cut removes no plan that fits.
+    The peak only grows with each part of each unit's memory key (:func:`_memory_key`), so when
+    ``choices`` is over budget all of those are too: the cut removes no plan that fits.
     """
     cut = []
     for pairs, choice in zip(model.variables, choices, strict=True):
@@ -464,11 +548,13 @@ def step_lower_bound(table: ChoiceTable) -> float:
 
 
 def peak_lower_bound(table: ChoiceTable) -> int:
-    """Bytes per rank below every plan's peak: each unit's least persistent, transient and prefetch bytes."""
-    least = [tuple(min(k) for k in zip(*(_memory_key(c) for c in unit.choices), strict=True)) for unit in table.units]
+    """Bytes per rank below every plan's peak: each unit's least state, live, forward, transient,
+    prefetch and backward prefetch bytes."""
+    least = [[min(k) for k in zip(*(_memory_key(c) for c in unit.choices), strict=True)] for unit in table.units]
+    state, *parts = ([k[i] for k in least] for i in range(6))
     # Neighbours only: with each unit's least prefetch, a carried buffer could be one no plan has.
-    return (sum(k[0] for k in least) + _transient_peak([k[1] for k in least], [k[2] for k in least], through=False)
-            + table.activation_bytes + table.fixed_bytes)
+    moments = _moment_peak([], [unit.spans_step for unit in table.units], through=False, parts=tuple(parts))
+    return sum(state) + moments + table.activation_bytes + table.fixed_bytes
 
 
 def _fastest_plan(table: ChoiceTable) -> tuple[str, ...]:
@@ -498,9 +584,16 @@ def _warm_start(table: ChoiceTable, model: _Model, budget_bytes: int
         choices.append(kept.choice)
         values.update({x.name: float(c is kept) for c, x in pairs})
     costs = _chosen(table, choices)
-    prefetches = [c.prefetch for c in costs]
-    values["T"] = _transient_peak([c.transient_bytes for c in costs], prefetches) / model.scale
-    for tag, carried in ((_BEFORE, _carried(prefetches)), (_AFTER, _carried(prefetches[::-1])[::-1])):
+    values["T"] = _moment_peak(costs, [unit.spans_step for unit in table.units]) / model.scale
+    least_live = [min(c.live_bytes for c, _ in pairs) for pairs in model.variables]
+    extra_live = [(c.live_bytes - least) / model.scale for c, least in zip(costs, least_live, strict=True)]
+    running = values["Ls"] = sum(x for x, unit in zip(extra_live, table.units, strict=True) if unit.spans_step)
+    for u, unit in enumerate(table.units):
+        if not unit.spans_step:
+            running = values[f"L_{u}"] = running + extra_live[u]
+    prefetches, backward = [c.prefetch for c in costs], [c.backward_prefetch for c in costs]
+    for tag, carried in ((_FORWARD, _carried(prefetches)), (_BEFORE, _carried(backward)),
+                         (_AFTER, _carried(backward[::-1])[::-1])):
         values.update({f"C{tag}_{u}": held / model.scale for u, held in enumerate(carried)})
     return tuple(choices), values
 
@@ -561,9 +654,11 @@ def knapsack_dp(table: ChoiceTable, budget_bytes: int, resolution_bytes: int = 2
 
     What a one-dimensional knapsack can express, kept conservative so its plan always fits:
 
-    - persistent bytes (state + held) of each choice are rounded *up* to ``resolution_bytes``;
+    - persistent bytes (state, held, activations) of each choice are rounded *up* to ``resolution_bytes``
+      and all counted at once (as if every unit's moment came when all are alive);
     - the prefetch-pair maximum depends on two neighbouring choices, which an additive knapsack
-      cannot see, so it reserves the worst pair over all choices of every consecutive pair;
+      cannot see, so it reserves the worst pair over all choices of every consecutive pair (the
+      larger of each choice's forward and transient bytes beside the largest other buffer);
     - step seconds are additive per unit, so the objective is the same as the ILP's.
 
     Its plans are therefore feasible for the ILP too, and the ILP is never slower.
@@ -573,8 +668,8 @@ def knapsack_dp(table: ChoiceTable, budget_bytes: int, resolution_bytes: int = 2
     _check_table(table)
     start = time.perf_counter()
     units = table.units
-    worst = [max(c.transient_bytes for c in unit.choices) for unit in units]
-    worst_prefetch = [max(c.prefetch for c in unit.choices) for unit in units]
+    worst = [max(map(_moment_bytes, unit.choices)) for unit in units]
+    worst_prefetch = [max(map(_buffer_bytes, unit.choices)) for unit in units]
     reserve = _transient_ceiling(worst, worst_prefetch) + table.activation_bytes + table.fixed_bytes
     weights = [[-(-c.persistent_bytes // resolution_bytes) for c in u.choices] for u in units]
     capacity = (budget_bytes - reserve) // resolution_bytes - sum(min(w) for w in weights)

@@ -35,7 +35,7 @@ def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
     return ChoiceCost(str(choice), b.state, 0, b.largest_grad, ctx.compute_s(unit),
                       ctx.once_per_step_s(all_reduce_s(b.grads, ctx.cluster.world_size, ctx.cluster)), prefetch_bytes=0,
                       exposed_s=ctx.once_per_step_s(ctx.world_latency_s() * bucket_share), overhead_s=overhead_s, optimizer_s=optimizer_s,
-                      activation_bytes=ctx.activation_bytes(unit))
+                      activation_bytes=ctx.activation_bytes(unit), forward_bytes=0)
 
 
 def space(_options: ChoiceOptions, _cluster: ClusterSpec) -> tuple[Choice, ...]:

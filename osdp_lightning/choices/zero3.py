@@ -41,12 +41,13 @@ def sharded_cost(unit: UnitProfile, choice: Choice, ctx: CostContext, *, gathers
                  + sum(_latency_s(ctx, ranks) for ranks in gathers if ranks != shard))
     overhead_s, optimizer_s = ctx.machinery_s(unit, choice.kind)
     kept = ctx.kept_grad_bytes(b.grads)  # accumulating: the unsharded gradient lives through the step
-    whole = held == 1  # zero2: the gathered copy is held, not transient, and nothing is prefetched
+    whole = held == 1  # zero2: the gathered copy is held, not transient; nothing is gathered for backward
     return ChoiceCost(str(choice), ceil_div(b.state, shard) + kept, ceil_div(b.gathered, held) if held else 0,
                       (0 if whole else b.gathered) + b.grads - kept, ctx.compute_s(unit), comm_s,
-                      prefetch_bytes=None if whole else b.gathered, exposed_s=exposed_s,
+                      prefetch_bytes=b.gathered, exposed_s=exposed_s,
                       overhead_s=overhead_s, optimizer_s=optimizer_s,
-                      activation_bytes=ctx.activation_bytes(unit))
+                      activation_bytes=ctx.activation_bytes(unit), forward_bytes=2 * b.gathered,
+                      backward_prefetch_bytes=0 if whole else None)
 
 
 def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:

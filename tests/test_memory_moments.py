@@ -1,0 +1,74 @@
+"""The peak as the largest of every unit's forward and backward moments (docs/design.md section 4):
+the profiler's record of which units span the step, the moments by hand, and real 2-rank runs
+measured with FSDPMemTracker."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from test_solve import make_table  # noqa: E402
+from toy_models import TiedLM  # noqa: E402
+
+from osdp_lightning.cluster import ClusterSpec  # noqa: E402
+from osdp_lightning.cost import ChoiceCost, build_choice_table  # noqa: E402
+from osdp_lightning.profile import profile_lightning_module  # noqa: E402
+from osdp_lightning.solve import peak_bytes, solve_choice_table  # noqa: E402
+from osdp_lightning.units import ROOT  # noqa: E402
+
+CLUSTER = ClusterSpec(world_size=2, memory_budget_bytes=2**40, collective_latency_s=1e-4, bandwidth_bytes_per_s=1e9)
+
+
+def test_the_profiler_marks_a_tied_embedding_and_head_as_spanning_the_step() -> None:
+    model = TiedLM()
+    profile = profile_lightning_module(model, next(iter(model.train_dataloader())), repeats=1)
+    interleaved = {u.name: u.interleaved for u in profile.units}
+    tied = [name for name in interleaved if "+" in name]
+    assert tied == ["embed+head"] and interleaved["embed+head"]  # the head runs after the blocks
+    assert not any(flag for name, flag in interleaved.items() if name != "embed+head")
+    table = build_choice_table(profile, CLUSTER)
+    assert [u.name for u in table.units if u.spans_step] == ["embed+head", ROOT]
+
+
+def _zero2(live: int, forward: int, transient: int, buffer: int) -> ChoiceCost:
+    """A zero2-like choice: its own bytes only (state 0), nothing gathered for backward."""
+    return ChoiceCost("zero2", 0, live, transient, 1.0, 0.0, buffer, activation_bytes=0, forward_bytes=forward,
+                      backward_prefetch_bytes=0)
+
+
+def test_a_units_forward_does_not_see_later_units_and_its_backward_not_their_buffers() -> None:
+    # Three units keep 10 bytes each from forward to backward; each copies 40 bytes out of its
+    # all-gather (its forward moment) and needs 5 in backward. The last unit's forward sees the
+    # first two units' 20 bytes, its own 40 and the buffer (30) the unit before it left: 90. Its
+    # backward: 30 live and 5, no buffer (nothing is gathered for backward). The old rule (every
+    # unit's live bytes next to the largest transient) said 30 + 40 + 30 = 100.
+    unit = _zero2(live=10, forward=40, transient=5, buffer=30)
+    table = make_table([[unit]] * 3)
+    assert peak_bytes(table, ["zero2"] * 3) == 20 + 40 + 30
+    # A unit that spans the step (a tied embedding and head) is alive in every moment, and its own
+    # moments see every unit: its forward 30 + 40 with nothing before it.
+    spanning = make_table([[unit]] * 3, spans=[True, False, False])
+    assert peak_bytes(spanning, ["zero2"] * 3) == 20 + 40 + 30
+    last_spans = make_table([[unit]] * 3, spans=[False, False, True])
+    assert peak_bytes(last_spans, ["zero2"] * 3) == 30 + 40 + 30  # its forward sees all three
+    assert solve_choice_table(spanning, 90).choices == ("zero2",) * 3
+    assert not solve_choice_table(spanning, 89).feasible
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("uniform, over", [("zero2", 0.05), ("zero3", 0.12)])
+def test_sharded_plans_are_predicted_close_above_fsdp_mem_tracker(train, uniform: str, over: float) -> None:
+    """2 gloo ranks, a tied language model: the prediction is at most 1% under the tracked peak
+    (the strategy keeps more than that free) and at most ``over`` above it. zero2 peaks at the last
+    block's forward copy-out (+10% when every unit's activations were counted there); zero3 at a
+    backward, where the model counts the unit's activations beside its whole gradients although
+    backward frees the first as it makes the second (+10% on this small model, +3 to 6% on the
+    benchmark GPTs, docs/benchmarks.md section 0)."""
+    result = train(uniform, "--model", "tied_lm", "--uniform", uniform)
+    plan, summary = result[0]["plan"], result[0]["summary"]
+    assert {u["choice"] for u in plan["units"]} == {uniform}
+    error = plan["predicted_peak_bytes"] / summary["peak_bytes"] - 1
+    assert -0.01 <= error <= over, (uniform, plan["predicted_peak_bytes"], summary["peak_bytes"])
