@@ -3,17 +3,19 @@
 The integer program, for one :class:`~osdp_lightning.cost.ChoiceTable` (all bytes per rank):
 
 - ``x[u,c]`` binary, ``sum_c x[u,c] = 1`` for every unit ``u``;
-- ``T`` is the peak over every unit's forward and backward moments (:func:`_moment_peak`), with
-  ``live = held + activation`` (kept from a unit's forward to its backward) summed in running
-  variables ``L[u] >= L[u-1] + live[u]`` (units that span the step in every moment):
-  ``T >= L[<u] + forward[u] + Cf[u-1]`` (forward) and ``T >= L[<=u] + transient[u] + Cb[u-1]``,
-  ``T >= L[<=u] + transient[u] + Ca[u+1]`` (backward). ``Cf[u]`` is the forward all-gather
-  buffer (``prefetch``) of the nearest unit at or before ``u`` that all-gathers, ``Cb[u]`` /
-  ``Ca[u]`` the backward gather (``backward_prefetch``) of the nearest one before / after: FSDP2
-  keeps the last all-gather's buffer until the next (forward) and prefetches the next (backward),
-  and replicated units between do neither (``_carry_variables``; ``C >= pf[u]``,
-  ``C >= C[prev] - M * gathers[u]``);
-- memory: ``sum(state) x + T + activation_bytes + fixed_bytes <= budget``;
+- memory: ``sum(state + live) x + T + activation_bytes + fixed_bytes <= budget``, with
+  ``live = held + activation`` (kept from a unit's forward to its backward) and ``T`` the peak of
+  every unit's forward and backward moments (:func:`_moment_peak`) *less* the live bytes of all
+  units, since each moment's row gives back those not alive there: ``T >= forward[u] + Cf[u-1] -
+  live[u] - S[u]`` (forward) and ``T >= transient[u] + Cb[u-1] - S[u]``, ``T >= transient[u] +
+  Ca[u+1] - S[u]`` (backward), where ``S[u] <= S[next] + live[next]`` sums the units after ``u``
+  (units that span the step are never given back). The memory row stays one knapsack row over
+  every binary, which solvers cut well; a running sum in every row instead was 5-25x slower.
+  ``Cf[u]`` is the forward all-gather buffer (``prefetch``) of the nearest unit at or before
+  ``u`` that all-gathers, ``Cb[u]`` / ``Ca[u]`` the backward gather (``backward_prefetch``) of
+  the nearest one before / after: FSDP2 keeps the last all-gather's buffer until the next
+  (forward) and prefetches the next (backward), and replicated units between do neither
+  (``_carry_variables``; ``C >= pf[u]``, ``C >= C[prev] - M * gathers[u]``);
 - minimise ``fixed_step_s + sum(compute + optimizer + overhead) x + sum_u e[u]`` with
   ``e[u] = max(exposed[u,c], comm[u,c] - overlap[u])`` of the chosen ``c`` (``exposed``: the latency
   no overlap hides). Because exactly one ``x[u,c]`` is 1, that max is the linear term
@@ -260,7 +262,7 @@ def _build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> 
     scale = _memory_scale(table)
     problem = pulp.LpProblem("osdp", pulp.LpMinimize)
     peak_t = _new_variable(problem, "T", pulp.LpContinuous)
-    variables, state_terms, sizes = [], [], {key: [] for key in _SIZES}
+    variables, kept_terms, sizes = [], [], {key: [] for key in _SIZES}
     offset = table.activation_bytes + table.fixed_bytes
     kept: dict[tuple, list[ChoiceCost]] = {}  # identical units (same costs) are pruned once
     for u, unit in enumerate(table.units):
@@ -271,21 +273,25 @@ def _build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> 
         variables.append(tuple(pairs))
         problem += pulp.LpAffineExpression([(x, 1.0) for _, x in pairs]) == 1, f"one_{u}"
         # NOTE: per-unit minima move to constants, so the rows only carry the differences.
-        least, terms = _differences(pairs, lambda c: c.state_bytes, scale, 1.0)
-        offset += least
-        state_terms += terms
+        # The memory row counts every unit's live bytes (a knapsack row, as solvers like them); each
+        # moment's row gives back those not alive there.
+        for size in (lambda c: c.state_bytes, lambda c: c.live_bytes):
+            least, terms = _differences(pairs, size, scale, 1.0)
+            offset += least
+            kept_terms += terms
         for name, size in _SIZES.items():
             sizes[name].append(_differences(pairs, size, scale, -1.0))
-    levels, level_vars = _live_levels(problem, table, sizes["live"])
+    levels, suffix_vars = _absent_levels(problem, table, [(-least, [(x, -c) for x, c in terms])
+                                                          for least, terms in sizes["live"]])
     carries = _peak_rows(problem, peak_t, variables, levels, sizes, scale, carry)
-    memory = pulp.LpAffineExpression([*state_terms, (peak_t, 1.0)])
+    memory = _summed([*kept_terms, (peak_t, 1.0)])
     largest = [[max(map(size, (c for c, _ in pairs))) for pairs in variables] for size in (
-        _SIZES["live"], _moment_bytes, _buffer_bytes)]
-    max_peak = (offset + round(sum(coef for _, coef in state_terms) * scale) + sum(largest[0])
-                + _transient_ceiling(largest[1], largest[2]))
+        _moment_bytes, _buffer_bytes)]
+    max_peak = (offset + round(sum(coef for _, coef in kept_terms) * scale)
+                + _transient_ceiling(largest[0], largest[1]))
     memory_row = memory <= (max_peak + 1 - offset) / scale  # constrains nothing until a budget is set
     problem += memory_row, "memory"
-    columns = (peak_t, *level_vars, *carries, *(x for pairs in variables for _, x in pairs))
+    columns = (peak_t, *suffix_vars, *carries, *(x for pairs in variables for _, x in pairs))
     return _Model(problem, tuple(variables), memory, memory_row, offset, max_peak, scale, columns)
 
 
@@ -307,42 +313,39 @@ def _buffer_bytes(cost: ChoiceCost) -> int:
 
 
 _Level = tuple[int, list[tuple[pulp.LpVariable, float]]]
-"""Bytes as ``(constant, [(variable, -coefficient)])``: the shape of a ``>=`` row's right side."""
+"""Bytes as ``(constant, [(variable, -coefficient)])``: a ``T >= ...`` row's terms moved to its left."""
 
 
-def _live_levels(problem: pulp.LpProblem, table: ChoiceTable, lives: list[_Level]
-                 ) -> tuple[list[tuple[_Level, _Level]], list[pulp.LpVariable]]:
-    """Per unit, the live bytes alive at its forward and at its backward (see :func:`_moment_peak`),
-    through one running-sum variable per unit (``L[u] >= L[prev] + live[u]``, so the rows stay
-    O(n)) and one for the units that span the step; and those variables. Exact: for a plan, the
-    least values these rows allow are the sums, and larger ones only raise ``T``."""
+def _absent_levels(problem: pulp.LpProblem, table: ChoiceTable, lives: list[_Level]
+                   ) -> tuple[list[tuple[_Level, _Level]], list[pulp.LpVariable]]:
+    """Per unit, the live bytes *not* alive at its forward and at its backward (see
+    :func:`_moment_peak`) as ``(-constant, [(variable, +coefficient)])`` (``lives``: each unit's
+    live bytes so), and the suffix variables: ``S[u] <= S[next] + live[next]`` sums the units
+    after ``u`` (those that span the step excepted). Exact: for a plan the largest ``S`` these
+    allow is the sum, and a smaller one only raises ``T``."""
+    absent: list[tuple[_Level, _Level]] = [((0, []), (0, []))] * len(table.units)
+    after: _Level = (0, [])  # the live bytes of the units after the current one
     created: list[pulp.LpVariable] = []
-
-    def level(name: str, previous: _Level | None, added: list[int]) -> _Level:
-        var = _new_variable(problem, name, pulp.LpContinuous)
-        created.append(var)
-        least = sum(lives[u][0] for u in added) + (previous[0] if previous else 0)
-        row = [(var, 1.0), *(term for u in added for term in lives[u][1]), *(previous[1] if previous else [])]
-        problem.addConstraint(pulp.LpAffineExpression(row) >= 0, f"row_{name}")
-        return least, [(var, -1.0)]
-
-    running = level("Ls", None, [u for u, unit in enumerate(table.units) if unit.spans_step])
-    moments: list[tuple[_Level, _Level] | None] = []
-    for u, unit in enumerate(table.units):
-        if unit.spans_step:
-            moments.append(None)
-        else:
-            below, running = running, level(f"L_{u}", running, [u])
-            moments.append((below, running))
-    return [m or (running, running) for m in moments], created
+    for u in range(len(table.units) - 1, -1, -1):
+        if table.units[u].spans_step:
+            continue
+        absent[u] = ((lives[u][0] + after[0], lives[u][1] + after[1]), after)
+        suffix = _new_variable(problem, f"S_{u}", pulp.LpContinuous)
+        created.append(suffix)
+        # S[u] <= S[next] + live[u] (the constants stay out of the variables)
+        row = [(suffix, -1.0), *lives[u][1], *after[1]]
+        problem.addConstraint(_summed(row) >= 0, f"suffix_{u}")
+        after = (lives[u][0] + after[0], [(suffix, 1.0)])
+    return absent, created[::-1]
 
 
 def _peak_rows(problem: pulp.LpProblem, peak_t: pulp.LpVariable, variables: list, levels: list,
                sizes: dict[str, list[_Level]], scale: int, carry: bool) -> list[pulp.LpVariable]:
-    """``T >=`` each unit's forward moment (live below it, its forward bytes, the forward buffer
-    before it) and backward moment (live up to it, its transient, the backward gather beside it
-    on either side), buffers carried from the nearest unit that gathers (``carry``) or its
-    neighbour's own; the carry variables."""
+    """``T >=`` each unit's forward moment (its forward bytes, the forward buffer before it, less
+    the live bytes not alive there) and backward moment (its transient, the backward gather beside
+    it on either side, less the same), buffers carried from the nearest unit that gathers
+    (``carry``) or its neighbour's own; the carry variables. ``T`` is the peak less every unit's
+    live bytes, which the memory row counts."""
     if carry:
         chains = {tag: _carry_variables(problem, variables, sizes[size], _SIZES[size], scale, tag, reverse)
                   for tag, size, reverse in ((_FORWARD, "prefetch", False), (_BEFORE, "backward", False),
@@ -351,15 +354,26 @@ def _peak_rows(problem: pulp.LpProblem, peak_t: pulp.LpVariable, variables: list
     else:
         chains, carried = {}, {_FORWARD: sizes["prefetch"], _BEFORE: sizes["backward"], _AFTER: sizes["backward"]}
     empty: _Level = (0, [])
-    for u, (below, upto) in enumerate(levels):
+    for u, (below, upto) in enumerate(levels):  # NOTE: what is not alive at the forward / backward
         sides = [(tag, carried[tag][u + step]) for tag, step in ((_BEFORE, -1), (_AFTER, 1))
                  if 0 <= u + step < len(levels)] or [("single", empty)]
         moments = [("w", below, sizes["forward"][u], carried[_FORWARD][u - 1] if u else empty),
                    *((tag, upto, sizes["transient"][u], side) for tag, side in sides)]
         for tag, live, own, side in moments:
-            row = pulp.LpAffineExpression([(peak_t, 1.0), *live[1], *own[1], *side[1]])
+            row = _summed([(peak_t, 1.0), *live[1], *own[1], *side[1]])
             problem += row >= (live[0] + own[0] + side[0]) / scale, f"pair_{tag}{u}"
     return [c for chain in chains.values() for c in chain]
+
+
+def _summed(terms: list[tuple[pulp.LpVariable, float]]) -> pulp.LpAffineExpression:
+    """One expression from terms that may name a variable twice (a unit's live and own bytes).
+
+    NOTE: ``LpAffineExpression`` built from a list keeps the last coefficient of a repeated variable.
+    """
+    summed: dict[str, list] = {}
+    for var, coef in terms:
+        summed.setdefault(var.name, [var, 0.0])[1] += coef
+    return pulp.LpAffineExpression([(var, coef) for var, coef in summed.values() if coef])
 
 
 def _carry_variables(problem: pulp.LpProblem, variables: list, buffers: list[_Level],
@@ -584,13 +598,12 @@ def _warm_start(table: ChoiceTable, model: _Model, budget_bytes: int
         choices.append(kept.choice)
         values.update({x.name: float(c is kept) for c, x in pairs})
     costs = _chosen(table, choices)
-    values["T"] = _moment_peak(costs, [unit.spans_step for unit in table.units]) / model.scale
-    least_live = [min(c.live_bytes for c, _ in pairs) for pairs in model.variables]
-    extra_live = [(c.live_bytes - least) / model.scale for c, least in zip(costs, least_live, strict=True)]
-    running = values["Ls"] = sum(x for x, unit in zip(extra_live, table.units, strict=True) if unit.spans_step)
-    for u, unit in enumerate(table.units):
-        if not unit.spans_step:
-            running = values[f"L_{u}"] = running + extra_live[u]
+    spans = [unit.spans_step for unit in table.units]
+    values["T"] = (_moment_peak(costs, spans) - sum(c.live_bytes for c in costs)) / model.scale
+    suffix = 0.0
+    for u in range(len(costs) - 1, -1, -1):
+        if not spans[u]:
+            suffix = values[f"S_{u}"] = suffix + (costs[u].live_bytes - min(c.live_bytes for c, _ in model.variables[u])) / model.scale
     prefetches, backward = [c.prefetch for c in costs], [c.backward_prefetch for c in costs]
     for tag, carried in ((_FORWARD, _carried(prefetches)), (_BEFORE, _carried(backward)),
                          (_AFTER, _carried(backward[::-1])[::-1])):

@@ -66,7 +66,7 @@ def test_sharded_plans_are_predicted_close_above_fsdp_mem_tracker(train, uniform
     block's forward copy-out (+10% when every unit's activations were counted there); zero3 at a
     backward, where the model counts the unit's activations beside its whole gradients although
     backward frees the first as it makes the second (+10% on this small model, +3 to 6% on the
-    benchmark GPTs, docs/benchmarks.md section 0)."""
+    benchmark GPTs, docs/benchmarks.md, "Fourth session")."""
     result = train(uniform, "--model", "tied_lm", "--uniform", uniform)
     plan, summary = result[0]["plan"], result[0]["summary"]
     assert {u["choice"] for u in plan["units"]} == {uniform}

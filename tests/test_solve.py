@@ -8,6 +8,7 @@ import itertools
 import math
 import random
 
+import pulp
 import pytest
 
 from osdp_lightning import solve
@@ -382,6 +383,29 @@ def test_the_fastest_plan_needs_no_solver(monkeypatch: pytest.MonkeyPatch) -> No
     assert solution.step_s == pytest.approx(min(r[1] for r in results), rel=REL_TOL)
     assert solve.step_lower_bound(table) == pytest.approx(solution.step_s, rel=REL_TOL)
     assert solve.peak_lower_bound(table) <= min(r[0] for r in results)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_the_model_gives_every_plan_its_exact_peak(exact: bool) -> None:
+    """With the binaries fixed to a plan, the least memory the rows allow is the plan's peak (the
+    exact model), or at most it (the relaxation): the cut loop, which would hide a model that
+    is wrong, never has to run for the exact one."""
+    checked = 0
+    for seed in SEEDS[:24]:
+        table, results = brute_force(seed)
+        if len(results) > 40:
+            continue
+        model = solve._build_model(table, prune=False, carry=exact)
+        model.problem.setObjective(model.memory)
+        for peak, _, combo in results:
+            for pairs, cost in zip(model.variables, combo, strict=True):
+                for c, x in pairs:
+                    x.lowBound = x.upBound = float(c is cost)
+            status, _, _ = solve._run_once(model, solve._settings(table, None, None, False, "highs"), 0.0)
+            least = round(pulp.value(model.memory) * model.scale) + model.memory_offset_bytes
+            assert status == solve.OPTIMAL and (least == peak if exact else least <= peak), (seed, combo)
+            checked += 1
+    assert checked >= 100
 
 
 def test_peak_bounds_hold_on_every_random_table() -> None:
