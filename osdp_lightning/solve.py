@@ -217,17 +217,17 @@ class _Model:
     variables: tuple[tuple[tuple[ChoiceCost, pulp.LpVariable], ...], ...]
     """Per unit, its candidate choices and their binaries."""
     memory: pulp.LpAffineExpression
-    """Scaled, choice-dependent bytes (state + T, the peak of the moments) minus their constant part."""
+    """Scaled, choice-dependent bytes (state, live and ``T``: the peak) minus their constant part."""
     memory_row: pulp.LpConstraint
     """``memory <= budget``; its right-hand side is set per solve (see :func:`_set_budget`)."""
     memory_offset_bytes: int
-    """Bytes of the peak that no choice changes (least state, activations, fixed)."""
+    """Bytes of the peak that no choice changes (least state and live bytes, activations, fixed)."""
     max_peak_bytes: int
     """Peak of the heaviest choices everywhere: budgets above it constrain nothing."""
     scale: int
     columns: tuple[pulp.LpVariable, ...]
-    """Every variable (``T``, live and carry levels, the binaries), so the solver need not collect
-    them from the rows."""
+    """Every variable (``T``, the suffix and carry variables, the binaries), so the solver need not
+    collect them from the rows."""
 
 
 def _new_variable(problem: pulp.LpProblem, name: str, category: str) -> pulp.LpVariable:
@@ -320,9 +320,9 @@ def _absent_levels(problem: pulp.LpProblem, table: ChoiceTable, lives: list[_Lev
                    ) -> tuple[list[tuple[_Level, _Level]], list[pulp.LpVariable]]:
     """Per unit, the live bytes *not* alive at its forward and at its backward (see
     :func:`_moment_peak`) as ``(-constant, [(variable, +coefficient)])`` (``lives``: each unit's
-    live bytes so), and the suffix variables: ``S[u] <= S[next] + live[next]`` sums the units
-    after ``u`` (those that span the step excepted). Exact: for a plan the largest ``S`` these
-    allow is the sum, and a smaller one only raises ``T``."""
+    live bytes so), and the suffix variables: ``S[u] <= live[u] + S[next]`` sums the units from
+    ``u`` on (those that span the step excepted). Exact: for a plan the largest ``S`` these allow
+    is the sum, and a smaller one only raises ``T``."""
     absent: list[tuple[_Level, _Level]] = [((0, []), (0, []))] * len(table.units)
     after: _Level = (0, [])  # the live bytes of the units after the current one
     created: list[pulp.LpVariable] = []
@@ -332,7 +332,7 @@ def _absent_levels(problem: pulp.LpProblem, table: ChoiceTable, lives: list[_Lev
         absent[u] = ((lives[u][0] + after[0], lives[u][1] + after[1]), after)
         suffix = _new_variable(problem, f"S_{u}", pulp.LpContinuous)
         created.append(suffix)
-        # S[u] <= S[next] + live[u] (the constants stay out of the variables)
+        # S[u] <= live[u] + S[next] (the constants stay out of the variables)
         row = [(suffix, -1.0), *lives[u][1], *after[1]]
         problem.addConstraint(_summed(row) >= 0, f"suffix_{u}")
         after = (lives[u][0] + after[0], [(suffix, 1.0)])
