@@ -4,7 +4,8 @@ Top panel: memory per rank as a waterfall in execution order. The first bar hold
 pays (the input batch, activations no choice changes); each unit then adds what it keeps (state,
 held parameters, its own activations), stacked on what came before, so the bars climb towards the
 predicted peak. A unit's transient bytes sit on top of its bar without adding to the next (they
-exist only while it runs); the last bar adds the largest transient pair, which reaches the peak.
+exist only while it runs); the last bar reaches the predicted peak (empty when the peak comes at a
+moment when some units' activations are not alive yet or any more, so the bars stand above it).
 Colours are choices, hatches are kinds; horizontal lines are the budget, the usable part (less
 headroom) and the peaks of the uniform baselines. Bottom panel: predicted seconds per unit.
 

@@ -1,0 +1,90 @@
+"""Price the memory of recorded ``osdp-bench`` runs again with today's memory model.
+
+    python -m benchmarks.reprice_memory docs/benchmarks/memory_fixes/compare_runs.json [more runs files]
+
+Each osdp run's own profile and plan (units, choices, micro-batch, world size) are priced by the
+cost model and the ILP's evaluator (``build_choice_table`` / ``peak_bytes``) and set beside the
+peak FSDPMemTracker measured in that run and the prediction the run itself made. Nothing is
+trained; a change to the memory model shows here on every plan ever measured. Profiles recorded
+before ``UnitProfile.interleaved`` existed mark tied units (a name with ``+``) as interleaved, as
+the profiler now does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from benchmarks.replan import profile_from_dict
+from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.cost import build_choice_table
+from osdp_lightning.profile import ModelProfile, with_parts
+from osdp_lightning.solve import peak_bytes
+
+
+def _profile_of(run: dict[str, Any]) -> ModelProfile | None:
+    """The run's profile at the granularity of its plan (``None`` when they do not match)."""
+    profile = profile_from_dict(run["profile"])
+    units = tuple(dataclasses.replace(u, interleaved=u.interleaved or "+" in u.name) for u in profile.units)
+    names = [u["name"] for u in run["plan"]["units"]]
+    profile = with_parts(dataclasses.replace(profile, units=units),
+                         [u.name for u in units if u.parts and u.name not in names])
+    return profile if [u.name for u in profile.units] == names else None
+
+
+def repriced_bytes(run: dict[str, Any]) -> int | None:
+    """Today's predicted peak of the run's plan, or ``None`` when its profile does not fit it."""
+    plan, profile = run["plan"], _profile_of(run)
+    if profile is None:
+        return None
+    cluster = ClusterSpec(world_size=plan["world_size"], memory_budget_bytes=plan["memory_budget_bytes"],
+                          collective_latency_s=plan["collective_latency_s"],
+                          bandwidth_bytes_per_s=plan["bandwidth_bytes_per_s"],
+                          overlap_efficiency=plan["overlap_efficiency"])
+    choices = tuple(u["choice"] for u in plan["units"])
+    table = build_choice_table(profile, cluster, plan["micro_batch_size"], choices=sorted(set(choices)),
+                               accumulation_steps=plan.get("accumulation_steps", 1))
+    return peak_bytes(table, choices)
+
+
+def table_of(path: Path) -> str:
+    """One markdown table: every distinct (method, budget, plan) of a runs file, medians over rounds."""
+    data = json.loads(path.read_text())
+    rows: dict[tuple, list[tuple[int, int]]] = {}
+    for run in data["runs"]:
+        if run.get("status") == "ok" and run.get("plan") and run.get("profile"):
+            key = (run["method"], run.get("fraction"), tuple(u["choice"] for u in run["plan"]["units"]))
+            rows.setdefault(key, []).append((run["summary"]["peak_bytes"], run["plan"]["predicted_peak_bytes"]))
+            rows[key][-1] += (repriced_bytes(run),)
+    lines = [f"{path} (GPT {data['machine'].get('model')})", "",
+             "| method | budget | plan | measured MiB | run's prediction | today's model |", "|---|---|---|---|---|---|"]
+    errors = []
+    for (method, fraction, choices), values in rows.items():
+        measured = statistics.median(v[0] for v in values)
+        then, now = values[0][1], values[0][2]
+        mix = ", ".join(f"{c} x{n}" for c, n in Counter(choices).most_common())
+        now_text = "-" if now is None else f"{now / 2**20:.2f} ({now / measured - 1:+.1%})"
+        if now is not None:
+            errors.append(now / measured - 1)
+        lines.append(f"| {method} | {fraction or '-'} | {mix} | {measured / 2**20:.2f} | "
+                     f"{then / 2**20:.2f} ({then / measured - 1:+.1%}) | {now_text} |")
+    if errors:
+        lines += ["", f"today's model: worst under {min(errors):+.1%}, worst over {max(errors):+.1%}, "
+                      f"median |error| {statistics.median(abs(e) for e in errors):.1%}"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", type=Path, nargs="+", help="compare_runs.json files of osdp-bench")
+    args = parser.parse_args()
+    print("\n\n".join(table_of(path) for path in args.runs))
+
+
+if __name__ == "__main__":
+    main()
