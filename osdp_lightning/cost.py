@@ -170,6 +170,7 @@ class ChoiceCost:
 
     @property
     def forward_peak_bytes(self) -> int:
+        """Its own bytes at its forward moment (:attr:`forward_bytes`, or its backward's when unknown)."""
         return self.live_bytes + self.transient_bytes if self.forward_bytes is None else self.forward_bytes
 
     @property
