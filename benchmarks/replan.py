@@ -48,6 +48,14 @@ def _unit_from_dict(u: dict[str, Any]) -> UnitProfile:
                           "parts": tuple(_unit_from_dict(p) for p in u.get("parts", ()))})
 
 
+def cluster_of(plan: dict[str, Any], headroom_bytes: int = 0) -> ClusterSpec:
+    """The cluster a recorded plan (a plan dict of a runs file) was made for: its ranks, budget and links."""
+    return ClusterSpec(world_size=plan["world_size"], memory_budget_bytes=plan["memory_budget_bytes"],
+                       collective_latency_s=plan["collective_latency_s"],
+                       bandwidth_bytes_per_s=plan["bandwidth_bytes_per_s"],
+                       overlap_efficiency=plan["overlap_efficiency"], headroom_bytes=headroom_bytes)
+
+
 def priced_table(table: ChoiceTable, profile: ModelProfile, terms: dict[str, Any]) -> ChoiceTable:
     """``table`` with each choice's FSDP2 and optimizer seconds added to its compute seconds."""
     units = []
@@ -64,11 +72,7 @@ def replan(run: dict[str, Any], terms: dict[str, Any]) -> dict[str, Any]:
     """The run's plan, re-solved with the terms; returned as a plan dict ``Plan.load`` accepts."""
     plan, profile = run["plan"], profile_from_dict(run["profile"])
     budget = plan["memory_budget_bytes"]
-    cluster = ClusterSpec(world_size=plan["world_size"], memory_budget_bytes=budget,
-                          collective_latency_s=plan["collective_latency_s"],
-                          bandwidth_bytes_per_s=plan["bandwidth_bytes_per_s"],
-                          overlap_efficiency=plan["overlap_efficiency"],
-                          headroom_bytes=int(budget * PLAN_HEADROOM_FRACTION))
+    cluster = cluster_of(plan, headroom_bytes=int(budget * PLAN_HEADROOM_FRACTION))
     table = build_choice_table(profile, cluster, plan["micro_batch_size"],
                                choices=choice_space(cluster, ChoiceOptions(split_factors=SPLIT_FACTORS)))
     priced = priced_table(table, profile, terms)

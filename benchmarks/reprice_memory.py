@@ -20,8 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from benchmarks.replan import profile_from_dict
-from osdp_lightning.cluster import ClusterSpec
+from benchmarks.replan import cluster_of, profile_from_dict
 from osdp_lightning.cost import build_choice_table
 from osdp_lightning.profile import ModelProfile, with_parts
 from osdp_lightning.solve import peak_bytes
@@ -42,10 +41,7 @@ def repriced_bytes(run: dict[str, Any]) -> int | None:
     plan, profile = run["plan"], _profile_of(run)
     if profile is None:
         return None
-    cluster = ClusterSpec(world_size=plan["world_size"], memory_budget_bytes=plan["memory_budget_bytes"],
-                          collective_latency_s=plan["collective_latency_s"],
-                          bandwidth_bytes_per_s=plan["bandwidth_bytes_per_s"],
-                          overlap_efficiency=plan["overlap_efficiency"])
+    cluster = cluster_of(plan)
     choices = tuple(u["choice"] for u in plan["units"])
     table = build_choice_table(profile, cluster, plan["micro_batch_size"], choices=sorted(set(choices)),
                                accumulation_steps=plan.get("accumulation_steps", 1))
@@ -55,12 +51,13 @@ def repriced_bytes(run: dict[str, Any]) -> int | None:
 def table_of(path: Path) -> str:
     """One markdown table: every distinct (method, budget, plan) of a runs file, medians over rounds."""
     data = json.loads(path.read_text())
-    rows: dict[tuple, list[tuple[int, int]]] = {}
+    rows: dict[tuple, list[tuple[int, int, int | None]]] = {}
     for run in data["runs"]:
         if run.get("status") == "ok" and run.get("plan") and run.get("profile"):
             key = (run["method"], run.get("fraction"), tuple(u["choice"] for u in run["plan"]["units"]))
-            rows.setdefault(key, []).append((run["summary"]["peak_bytes"], run["plan"]["predicted_peak_bytes"]))
-            rows[key][-1] += (repriced_bytes(run),)
+            # NOTE: rounds of one plan share their prediction: priced once
+            now = rows[key][0][2] if key in rows else repriced_bytes(run)
+            rows.setdefault(key, []).append((run["summary"]["peak_bytes"], run["plan"]["predicted_peak_bytes"], now))
     lines = [f"{path} (GPT {data['machine'].get('model')})", "",
              "| method | budget | plan | measured MiB | run's prediction | today's model |", "|---|---|---|---|---|---|"]
     errors = []

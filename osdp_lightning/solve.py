@@ -115,8 +115,19 @@ def _carried(prefetches: list[int], through: bool = True) -> list[int]:
     return carried
 
 
-def _moment_peak(costs: list[ChoiceCost], spans: list[bool], through: bool = True,
-                 parts: tuple[list[int], ...] | None = None) -> int:
+_SIZES: dict[str, Callable[[ChoiceCost], int]] = {
+    "live": lambda c: c.live_bytes, "forward": lambda c: c.forward_peak_bytes,
+    "transient": lambda c: c.transient_bytes, "prefetch": lambda c: c.prefetch,
+    "backward": lambda c: c.backward_prefetch}
+"""The parts of a choice's memory the moment rows read (:func:`_moment_peak`)."""
+
+
+def _parts_of(costs: list[ChoiceCost]) -> tuple[list[int], ...]:
+    """Each part of :data:`_SIZES` (live, forward, transient, prefetch, backward), unit by unit."""
+    return tuple([size(c) for c in costs] for size in _SIZES.values())
+
+
+def _moment_peak(parts: tuple[list[int], ...], spans: list[bool], through: bool = True) -> int:
     """Largest bytes alive at once besides the state: the peak over every unit's forward and backward.
 
     At unit ``u``'s forward: the live bytes (held parameters, activations) of the units before it,
@@ -124,8 +135,7 @@ def _moment_peak(costs: list[ChoiceCost], spans: list[bool], through: bool = Tru
     backward: the live bytes up to it and its transient beside that buffer or the one of the
     nearest unit after it. Units after ``u`` have not run yet (forward) or are through backward
     (backward). A unit that ``spans`` the step counts in every moment, and its own moments count
-    every unit. ``parts``: (live, forward, transient, prefetch, backward prefetch) lists instead of
-    ``costs``' (bounds use each unit's least or largest).
+    every unit. ``parts``: the lists of :func:`_parts_of` (bounds pass each unit's least).
 
     FSDP2 keeps the last forward all-gather's buffer until the next one (``prefetch``) and
     prefetches the next all-gather in backward (``backward_prefetch``; zero2 gathers nothing
@@ -133,9 +143,7 @@ def _moment_peak(costs: list[ChoiceCost], spans: list[bool], through: bool = Tru
     run between two sharded units leaves the far one's buffer alive (measured with
     FSDPMemTracker, docs/design.md section 4). ``through=False``: neighbours only (a lower bound).
     """
-    live, forward, transients, prefetches, backward = parts or (
-        [c.live_bytes for c in costs], [c.forward_peak_bytes for c in costs],
-        [c.transient_bytes for c in costs], [c.prefetch for c in costs], [c.backward_prefetch for c in costs])
+    live, forward, transients, prefetches, backward = parts
     buffer = [0, *_carried(prefetches, through)[:-1]]
     before = [0, *_carried(backward, through)[:-1]]
     after = [*_carried(backward[::-1], through)[::-1][1:], 0]
@@ -161,7 +169,7 @@ def _transient_ceiling(transients: list[int], prefetches: list[int]) -> int:
 def peak_bytes(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> int:
     """Exact per-rank peak of an assignment under the model the ILP uses."""
     costs = _chosen(table, choices)
-    moments = _moment_peak(costs, [unit.spans_step for unit in table.units])
+    moments = _moment_peak(_parts_of(costs), [unit.spans_step for unit in table.units])
     return sum(cost.state_bytes for cost in costs) + moments + table.activation_bytes + table.fixed_bytes
 
 
@@ -262,7 +270,8 @@ def _build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> 
     scale = _memory_scale(table)
     problem = pulp.LpProblem("osdp", pulp.LpMinimize)
     peak_t = _new_variable(problem, "T", pulp.LpContinuous)
-    variables, kept_terms, sizes = [], [], {key: [] for key in _SIZES}
+    variables, kept_terms, lives = [], [], []
+    sizes: dict[str, list[_Level]] = {key: [] for key in _SIZES if key != "live"}
     offset = table.activation_bytes + table.fixed_bytes
     kept: dict[tuple, list[ChoiceCost]] = {}  # identical units (same costs) are pruned once
     for u, unit in enumerate(table.units):
@@ -275,14 +284,14 @@ def _build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> 
         # NOTE: per-unit minima move to constants, so the rows only carry the differences.
         # The memory row counts every unit's live bytes (a knapsack row, as solvers like them); each
         # moment's row gives back those not alive there.
-        for size in (lambda c: c.state_bytes, lambda c: c.live_bytes):
+        for size in (lambda c: c.state_bytes, _SIZES["live"]):
             least, terms = _differences(pairs, size, scale, 1.0)
             offset += least
             kept_terms += terms
-        for name, size in _SIZES.items():
-            sizes[name].append(_differences(pairs, size, scale, -1.0))
-    levels, suffix_vars = _absent_levels(problem, table, [(-least, [(x, -c) for x, c in terms])
-                                                          for least, terms in sizes["live"]])
+        lives.append((-least, terms))  # the live bytes, to give back
+        for name in sizes:
+            sizes[name].append(_differences(pairs, _SIZES[name], scale, -1.0))
+    levels, suffix_vars = _absent_levels(problem, table, lives)
     carries = _peak_rows(problem, peak_t, variables, levels, sizes, scale, carry)
     memory = _summed([*kept_terms, (peak_t, 1.0)])
     largest = [[max(map(size, (c for c, _ in pairs))) for pairs in variables] for size in (
@@ -293,13 +302,6 @@ def _build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> 
     problem += memory_row, "memory"
     columns = (peak_t, *suffix_vars, *carries, *(x for pairs in variables for _, x in pairs))
     return _Model(problem, tuple(variables), memory, memory_row, offset, max_peak, scale, columns)
-
-
-_SIZES: dict[str, Callable[[ChoiceCost], int]] = {
-    "live": lambda c: c.live_bytes, "forward": lambda c: c.forward_peak_bytes,
-    "transient": lambda c: c.transient_bytes, "prefetch": lambda c: c.prefetch,
-    "backward": lambda c: c.backward_prefetch}
-"""The parts of a choice's memory the moment rows read (:func:`_moment_peak`)."""
 
 
 def _moment_bytes(cost: ChoiceCost) -> int:
@@ -326,10 +328,11 @@ def _absent_levels(problem: pulp.LpProblem, table: ChoiceTable, lives: list[_Lev
     absent: list[tuple[_Level, _Level]] = [((0, []), (0, []))] * len(table.units)
     after: _Level = (0, [])  # the live bytes of the units after the current one
     created: list[pulp.LpVariable] = []
-    for u in range(len(table.units) - 1, -1, -1):
-        if table.units[u].spans_step:
-            continue
+    given_back = [u for u, unit in enumerate(table.units) if not unit.spans_step]
+    for u in reversed(given_back):
         absent[u] = ((lives[u][0] + after[0], lives[u][1] + after[1]), after)
+        if u == given_back[0]:  # no unit before it reads its suffix
+            break
         suffix = _new_variable(problem, f"S_{u}", pulp.LpContinuous)
         created.append(suffix)
         # S[u] <= live[u] + S[next] (the constants stay out of the variables)
@@ -564,11 +567,10 @@ def step_lower_bound(table: ChoiceTable) -> float:
 def peak_lower_bound(table: ChoiceTable) -> int:
     """Bytes per rank below every plan's peak: each unit's least state, live, forward, transient,
     prefetch and backward prefetch bytes."""
-    least = [[min(k) for k in zip(*(_memory_key(c) for c in unit.choices), strict=True)] for unit in table.units]
-    state, *parts = ([k[i] for k in least] for i in range(6))
+    parts = tuple([min(map(size, unit.choices)) for unit in table.units] for size in _SIZES.values())
     # Neighbours only: with each unit's least prefetch, a carried buffer could be one no plan has.
-    moments = _moment_peak([], [unit.spans_step for unit in table.units], through=False, parts=tuple(parts))
-    return sum(state) + moments + table.activation_bytes + table.fixed_bytes
+    moments = _moment_peak(parts, [unit.spans_step for unit in table.units], through=False)
+    return sum(min(c.state_bytes for c in unit.choices) for unit in table.units) + moments + table.activation_bytes + table.fixed_bytes
 
 
 def _fastest_plan(table: ChoiceTable) -> tuple[str, ...]:
@@ -599,7 +601,7 @@ def _warm_start(table: ChoiceTable, model: _Model, budget_bytes: int
         values.update({x.name: float(c is kept) for c, x in pairs})
     costs = _chosen(table, choices)
     spans = [unit.spans_step for unit in table.units]
-    values["T"] = (_moment_peak(costs, spans) - sum(c.live_bytes for c in costs)) / model.scale
+    values["T"] = (_moment_peak(_parts_of(costs), spans) - sum(c.live_bytes for c in costs)) / model.scale
     suffix = 0.0
     for u in range(len(costs) - 1, -1, -1):
         if not spans[u]:
