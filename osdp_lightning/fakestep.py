@@ -12,7 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -183,15 +183,98 @@ def run_fake_step(module: nn.Module, specs: Sequence[UnitSpec], run_loss: Callab
     with preserved_rng(), _logging_disabled(module), recorder.installed():
         with FlopCounterMode(display=False, custom_mapping=_CPU_SDPA_FLOPS) as counter:
             _name_modules_for(counter, module)
-            loss = run_loss()
+            with _BackwardFlops(module, specs, counter.get_total_flops, recorder.nested).calls() as backward:
+                loss = run_loss()
             forward_counts = counter.get_flop_counts()
-            loss.backward()
-            total_counts = counter.get_flop_counts()
+            with backward.timed():
+                loss.backward()
     forward = _unit_flops(module, specs, forward_counts)
-    total = _unit_flops(module, specs, total_counts)
-    backward = {name: max(total[name] - forward[name], 0) for name in total}
     return FakeStep(recorder.order, recorder.saved_bytes, recorder.input_bytes, recorder.output_numel, forward,
-                    backward, frozenset(recorder.interleaved))
+                    backward.flops, frozenset(recorder.interleaved))
+
+
+class _BackwardFlops:
+    """Backward FLOPs per unit: those counted while it is the innermost unit whose backward runs.
+
+    A unit call's backward starts when the gradient of its output is complete and ends when the
+    gradients of its inputs are, counting only inputs no other unit call took. NOTE: FlopCounterMode's
+    own module tracker waits for every input, and an input that many units share (T5's position bias,
+    a learned tensor every block adds) is complete only at the end of the step: each block was charged
+    the backward of every block before it (block k about k + 1 times its own). A call with no input of
+    its own ends when a unit outside it starts.
+    """
+
+    def __init__(self, root: nn.Module, specs: Sequence[UnitSpec], flops: Callable[[], int],
+                 nested: Callable[[str, str], bool]) -> None:
+        self.root, self.specs, self.clock, self.nested = root, specs, flops, nested
+        self.flops: dict[str, int] = {s.name: 0 for s in specs} | {ROOT: 0}
+        self._calls: list[tuple[str, list[torch.Tensor], list[torch.Tensor]]] = []  # unit, outputs, inputs
+        self._stack: list[int] = []  # calls whose backward runs, innermost last
+        self._ends: dict[int, int] = {}  # call -> input gradients still to come
+        self._last = 0
+
+    @contextlib.contextmanager
+    def calls(self) -> Iterator[_BackwardFlops]:
+        """Records every unit call's tensor inputs and outputs that need gradients, during forward."""
+        handles = [self.root.get_submodule(mod_name).register_forward_hook(self._record(spec.name), with_kwargs=True)
+                   for spec in self.specs for mod_name in spec.module_names]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _record(self, name: str) -> Callable:
+        def hook(_mod: nn.Module, args: tuple, kwargs: dict, out: object) -> None:
+            needing = [[t for t in _flat_tensors(obj) if t.requires_grad] for obj in (out, (args, kwargs))]
+            self._calls.append((name, *needing))
+        return hook
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        """Tensor hooks that mark each call's start and end, around the backward."""
+        takers: dict[int, int] = {}
+        for _, _, inputs in self._calls:
+            for t in {id(t): t for t in inputs}.values():
+                takers[id(t)] = takers.get(id(t), 0) + 1
+        handles = []
+        for call, (_, outputs, inputs) in enumerate(self._calls):
+            own = [t for t in {id(t): t for t in inputs}.values() if takers[id(t)] == 1]
+            self._ends[call] = len(own)
+            handles += [t.register_hook(self._started(call)) for t in outputs]
+            handles += [t.register_hook(self._ended(call)) for t in own]
+        self._last = self.clock()
+        try:
+            yield
+            self._charge()
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _charge(self) -> None:
+        now = self.clock()
+        self.flops[self._calls[self._stack[-1]][0] if self._stack else ROOT] += now - self._last
+        self._last = now
+
+    def _started(self, call: int) -> Callable:
+        def hook(_grad: torch.Tensor) -> None:
+            if call in self._stack:  # another of its outputs
+                return
+            self._charge()
+            name = self._calls[call][0]
+            while self._stack and not self._ends[self._stack[-1]] and \
+                    not self.nested(name, self._calls[self._stack[-1]][0]):
+                self._stack.pop()  # no input of its own to end it
+            self._stack.append(call)
+        return hook
+
+    def _ended(self, call: int) -> Callable:
+        def hook(_grad: torch.Tensor) -> None:
+            self._ends[call] -= 1
+            if not self._ends[call] and call in self._stack:
+                self._charge()
+                self._stack.remove(call)
+        return hook
 
 
 class _LiveBytes(TorchDispatchMode):

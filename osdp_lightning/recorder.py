@@ -79,13 +79,13 @@ class StepRecorder:
         def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
             if name not in self.order:
                 self.order.append(name)
-            elif any(not self._nested(later, name) for later in self.order[self.order.index(name) + 1:]):
+            elif any(not self.nested(later, name) for later in self.order[self.order.index(name) + 1:]):
                 self.interleaved.add(name)
             self.input_bytes[name] = self.input_bytes.get(name, 0) + self._tensor_bytes((args, kwargs))
             self._stack.append([name, self.clock(), 0.0])
         return hook
 
-    def _nested(self, inner: str, outer: str) -> bool:
+    def nested(self, inner: str, outer: str) -> bool:
         """Whether unit ``inner``'s modules lie inside unit ``outer``'s (a block's parts)."""
         return all(any(m.startswith(f"{o}.") or not o for o in self._modules.get(outer, ()))
                    for m in self._modules.get(inner, ()))

@@ -14,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from osdp_lightning.recipes.gpt import GPT, GPTConfig, GPTLitModule  # noqa: E402
+from osdp_lightning.recipes.t5 import T5, T5Config, T5LitModule  # noqa: E402
 from toy_models import MLP, TiedLM  # noqa: E402
 
 from osdp_lightning.cluster import ClusterSpec  # noqa: E402
@@ -78,6 +79,29 @@ def test_flops_per_unit_add_up_to_the_real_step() -> None:
     assert first.backward_s == pytest.approx(first.forward_s)  # no input gradient for the data
     assert second.backward_s == pytest.approx(2 * second.forward_s)
     assert dict(first.split_overhead_s).keys() == {2, 4, 8}
+
+
+@pytest.mark.parametrize("recipe", ["gpt", "t5"])
+def test_identical_blocks_get_equal_backward_flops(recipe: str) -> None:
+    """Each block's backward FLOPs are its own, whatever inputs the blocks share (T5 adds one learned
+    position bias in every block); with the other units' they add up to the step's FLOPs."""
+    if recipe == "gpt":
+        config = GPTConfig(vocab_size=384, block_size=32, n_layer=3, n_head=4, n_embd=64)
+        module = GPTLitModule(GPT(config))
+        batch = {"input_ids": torch.zeros(2, 32, dtype=torch.long), "labels": torch.zeros(2, 32, dtype=torch.long)}
+        blocks = ["net.h.0", "net.h.1", "net.h.2"]
+    else:
+        module = T5LitModule(T5(T5Config(n_encoder_layer=3, n_decoder_layer=3)))
+        batch = {"input_ids": torch.zeros(2, 32, dtype=torch.long), "attention_mask": torch.ones(2, 32),
+                 "labels": torch.zeros(2, 16, dtype=torch.long)}
+        blocks = [f"net.encoder.{i}" for i in range(3)]
+    profile = estimate_profile(module, batch, peak_flops_per_s=PEAK)
+    units = {u.name: u for u in profile.units}
+    assert sum(u.forward_s + u.backward_s for u in profile.units) == pytest.approx(profile.step_s)
+    # Linear layers fed by the previous block: input and weight gradients, twice the forward FLOPs
+    for name in blocks:
+        assert units[name].backward_s == pytest.approx(units[blocks[0]].backward_s)
+        assert units[name].backward_s == pytest.approx(2 * units[name].forward_s, rel=0.05)
 
 
 def test_attention_flops_are_counted_on_cpu() -> None:
