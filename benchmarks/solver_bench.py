@@ -87,7 +87,7 @@ def transformer_profile(units: int, seed: int) -> ModelProfile:
 
 
 SOLVERS = ("highs", "cbc")
-REAL_MODELS = ("gpt_small", "gpt_xl", "t5_large")
+REAL_MODELS = ("gpt_small", "gpt_xl", "t5_large", "bert_large")
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:

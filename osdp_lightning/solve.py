@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -57,6 +57,7 @@ from osdp_lightning.solvers import (
     pick_solver,
     run,
 )
+from osdp_lightning.symmetry import Forbidden, forbidden_orders, sorted_plan
 
 # NOTE: PuLP comes through solvers.py, whose import guard says how to install it when it is missing.
 pulp = solvers.pulp
@@ -233,6 +234,10 @@ class _Model:
     max_peak_bytes: int
     """Peak of the heaviest choices everywhere: budgets above it constrain nothing."""
     scale: int
+    objective_unit_s: float
+    """Seconds per unit of the step objective (:func:`_step_objective`)."""
+    forbidden: Forbidden
+    """Orders of identical neighbours the model rules out (:mod:`osdp_lightning.symmetry`)."""
     columns: tuple[pulp.LpVariable, ...]
     """Every variable (``T``, the suffix and carry variables, the binaries), so the solver need not
     collect them from the rows."""
@@ -293,6 +298,7 @@ def _build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> 
             sizes[name].append(_differences(pairs, _SIZES[name], scale, -1.0))
     levels, suffix_vars = _absent_levels(problem, table, lives)
     carries = _peak_rows(problem, peak_t, variables, levels, sizes, scale, carry)
+    forbidden = _order_rows(problem, table, variables, carry) if prune else {}
     memory = _summed([*kept_terms, (peak_t, 1.0)])
     largest = [[max(map(size, (c for c, _ in pairs))) for pairs in variables] for size in (
         _moment_bytes, _buffer_bytes)]
@@ -301,7 +307,20 @@ def _build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> 
     memory_row = memory <= (max_peak + 1 - offset) / scale  # constrains nothing until a budget is set
     problem += memory_row, "memory"
     columns = (peak_t, *suffix_vars, *carries, *(x for pairs in variables for _, x in pairs))
-    return _Model(problem, tuple(variables), memory, memory_row, offset, max_peak, scale, columns)
+    return _Model(problem, tuple(variables), memory, memory_row, offset, max_peak, scale,
+                  _objective_unit_s(table), forbidden, columns)
+
+
+def _order_rows(problem: pulp.LpProblem, table: ChoiceTable, variables: list, carry: bool) -> Forbidden:
+    """``x[u,d] + sum(x[u+1,c]) <= 1`` over the ``c`` that may not follow ``d`` (identical neighbours;
+    exact for the optimum, not for the k best plans, which include the swapped ones)."""
+    forbidden = forbidden_orders(table, [[c for c, _ in pairs] for pairs in variables], carry)
+    for u, pairs in forbidden.items():
+        here, there = ({c.choice: x for c, x in variables[v]} for v in (u, u + 1))
+        for i, first in enumerate(sorted({d for d, _ in pairs})):
+            row = [(here[first], 1.0), *((there[c], 1.0) for d, c in sorted(pairs) if d == first)]
+            problem += pulp.LpAffineExpression(row) <= 1, f"order_{u}_{i}"
+    return forbidden
 
 
 def _moment_bytes(cost: ChoiceCost) -> int:
@@ -421,10 +440,26 @@ def _read_choices(model: _Model) -> tuple[str, ...]:
                  for pairs in model.variables)
 
 
+def _slowest_s(table: ChoiceTable) -> float:
+    return table.fixed_step_s + sum(max(_choice_step_s(u, c) for c in u.choices) for u in table.units)
+
+
+def _objective_unit_s(table: ChoiceTable) -> float:
+    """The mean unit's slowest seconds: the step objective's unit.
+
+    NOTE: in seconds, a dry run's choices differ by 1e-5 s, near the solvers' absolute tolerances
+    (reduced costs, cuts: about 1e-7). CBC then cut off t5_large's optimum at +5% of its smallest
+    budget and called a plan 0.1% slower optimal.
+    """
+    return max(_slowest_s(table) / len(table.units), 1e-12)
+
+
 def _step_objective(table: ChoiceTable, model: _Model) -> pulp.LpAffineExpression:
-    return pulp.LpAffineExpression([(x, _choice_step_s(unit, c)) for unit, pairs in
+    """Predicted step seconds, in units of ``model.objective_unit_s``."""
+    unit_s = model.objective_unit_s
+    return pulp.LpAffineExpression([(x, _choice_step_s(unit, c) / unit_s) for unit, pairs in
                                     zip(table.units, model.variables, strict=True) for c, x in pairs],
-                                   constant=table.fixed_step_s)
+                                   constant=table.fixed_step_s / unit_s)
 
 
 def _exclude(model: _Model, choices: tuple[str, ...], heavier_too: bool = True) -> None:
@@ -458,7 +493,9 @@ def _run_once(model: _Model, settings: SolverSettings, start: float, warm: dict[
     settings = replace(settings, time_limit_s=_remaining_s(settings.time_limit_s, start))
     result = run(model.problem, settings, warm, model.columns)
     found = result.status in (OPTIMAL, TIME_LIMIT, FEASIBLE)
-    return result.status, result.bound, _read_choices(model) if found else ()
+    # NOTE: in seconds, as the step objective's bound (smallest_feasible_budget's bytes bound is not read)
+    bound = None if result.bound is None else result.bound * model.objective_unit_s
+    return result.status, bound, _read_choices(model) if found else ()
 
 
 def _settings(table: ChoiceTable, time_limit_s: float | None, gap: float | None, msg: bool,
@@ -466,8 +503,8 @@ def _settings(table: ChoiceTable, time_limit_s: float | None, gap: float | None,
     if gap is not None and not 0.0 <= gap < 1.0:
         raise ValueError(f"gap must be a relative gap in [0, 1), got {gap!r}")
     # Prune only branches that cannot beat the incumbent by a billionth of the slowest plan.
-    slowest_s = table.fixed_step_s + sum(max(_choice_step_s(u, c) for c in u.choices) for u in table.units)
-    return SolverSettings(pick_solver(solver), time_limit_s, gap, 1e-9 * max(slowest_s, 1e-12), msg)
+    tie = 1e-9 * max(_slowest_s(table), 1e-12) / _objective_unit_s(table)
+    return SolverSettings(pick_solver(solver), time_limit_s, gap, tie, msg)
 
 
 def solve_choice_table(table: ChoiceTable, budget_bytes: int, time_limit_s: float | None = None,
@@ -498,7 +535,7 @@ def solve_choice_table(table: ChoiceTable, budget_bytes: int, time_limit_s: floa
         return _solution(table, choices, status, bound, start)
     model = _build_model(table)  # NOTE: the same choices and variable names: the seed carries over
     model.problem.setObjective(_step_objective(table, model))
-    return _solve_within(table, model, budget_bytes, settings, start, warm)
+    return _solve_within(table, model, budget_bytes, settings, start, warm and _seed(table, model, warm[0]))
 
 
 def _solve_within(table: ChoiceTable, model: _Model, budget_bytes: int, settings: SolverSettings, start: float,
@@ -519,7 +556,7 @@ def _solve_within(table: ChoiceTable, model: _Model, budget_bytes: int, settings
             return _solution(table, choices, status, bound, start)
         _exclude(model, choices)
         # The relaxed problem's optimum bounds the true one from below.
-        lower_bound = pulp.value(model.problem.objective) if status == OPTIMAL else bound
+        lower_bound = pulp.value(model.problem.objective) * model.objective_unit_s if status == OPTIMAL else bound
     return _solve_tightened(table, model, budget_bytes, lower_bound, settings, start)
 
 
@@ -591,14 +628,21 @@ def _warm_start(table: ChoiceTable, model: _Model, budget_bytes: int
     seed = knapsack_dp(table, budget_bytes, resolution_bytes=max(1, -(-span // _WARM_DP_CELLS)))
     if not seed.feasible:
         return None
-    choices, values = [], {}
+    choices = []
     for unit, pairs, choice in zip(table.units, model.variables, seed.choices, strict=True):
         mine = unit.cost_of(choice)
         key = _memory_key(mine) + (_choice_step_s(unit, mine),)
-        kept = next(c for c, _ in pairs if c.choice == choice or all(
-            o <= k for o, k in zip(_memory_key(c) + (_choice_step_s(unit, c),), key, strict=True)))
-        choices.append(kept.choice)
-        values.update({x.name: float(c is kept) for c, x in pairs})
+        choices.append(next(c.choice for c, _ in pairs if c.choice == choice or all(
+            o <= k for o, k in zip(_memory_key(c) + (_choice_step_s(unit, c),), key, strict=True))))
+    return _seed(table, model, choices)
+
+
+def _seed(table: ChoiceTable, model: _Model, choices: Sequence[str]) -> tuple[tuple[str, ...], dict[str, float]]:
+    """A plan of the model's choices as values of its variables, by name, put in the order its rows
+    allow (swaps of identical neighbours: no larger peak, same step)."""
+    choices = sorted_plan(choices, model.forbidden)
+    values = {x.name: float(c.choice == choice)
+              for pairs, choice in zip(model.variables, choices, strict=True) for c, x in pairs}
     costs = _chosen(table, choices)
     spans = [unit.spans_step for unit in table.units]
     values["T"] = (_moment_peak(_parts_of(costs), spans) - sum(c.live_bytes for c in costs)) / model.scale

@@ -43,9 +43,11 @@ def make_table(units: list[list[tuple | ChoiceCost]], overlaps: list[float] | No
 
 
 def random_table(seed: int) -> ChoiceTable:
-    """Up to 8 units x 3 choices; bytes from a few hundred to TB (exactness must hold at scale)."""
+    """Up to 8 units x 3 choices; bytes from a few hundred to TB (exactness must hold at scale), seconds
+    up to 1 or, as a dry run on a fast device gives them, up to 1e-5 (the solvers' tolerances are absolute)."""
     rng = random.Random(seed)
     factor = rng.choice((1, 1, 1_000_003, 2**30 + 7))
+    second = random.Random(-seed).choice((1.0, 1.0, 1e-5))
 
     def choice(name: str) -> tuple:
         held = rng.randint(0, 500 * factor) if rng.random() < 0.5 else 0
@@ -53,14 +55,14 @@ def random_table(seed: int) -> ChoiceTable:
         # Half the choices prefetch only part of their transient (zero3: parameters, not gradients).
         # A quarter gather nothing (replicated): a farther unit's buffer passes them.
         prefetch = rng.choice((rng.randint(0, transient), 0)) if rng.random() < 0.5 else None
-        comm = rng.uniform(0.0, 1.0)
+        comm = rng.uniform(0.0, second)
         exposed = rng.uniform(0.0, comm) if rng.random() < 0.5 else 0.0  # latency overlap cannot hide
         # Activations (live until the unit's backward) and a forward moment of its own, or none.
         activation = rng.randint(0, 800 * factor) if rng.random() < 0.6 else 0
         forward = rng.randint(0, 2000 * factor) if rng.random() < 0.6 else None
         # What it gathers for backward: as in forward, or nothing (zero2), or another size.
         backward = rng.choice((None, 0, rng.randint(0, 1500 * factor)))
-        return ChoiceCost(name, rng.randint(0, 1000 * factor), held, transient, rng.uniform(0.0, 1.0), comm,
+        return ChoiceCost(name, rng.randint(0, 1000 * factor), held, transient, rng.uniform(0.0, second), comm,
                           prefetch, exposed, activation_bytes=activation, forward_bytes=forward,
                           backward_prefetch_bytes=backward)
 
@@ -70,8 +72,12 @@ def random_table(seed: int) -> ChoiceTable:
         if len(choices) < 3 and rng.random() < 0.2:
             choices.append(dataclasses.replace(choices[0], choice=f"dup{len(choices)}"))  # a tie under another name
         units.append(choices)
-    overlaps = [rng.uniform(0.0, 0.6) for _ in units]  # hides some, not all, of the collectives
+    overlaps = [rng.uniform(0.0, 0.6 * second) for _ in units]  # hides some, not all, of the collectives
     spans = [rng.random() < 0.2 for _ in units]  # the root, a tied embedding and head
+    twins = random.Random(seed + 7919)  # repeated blocks: a unit the same as the one before it
+    for u in range(1, len(units)):
+        if twins.random() < 0.4:
+            units[u], overlaps[u] = units[u - 1], overlaps[u - 1]
     return make_table(units, overlaps, rng.randint(0, 1000 * factor), rng.randint(0, 1000 * factor), spans)
 
 
