@@ -116,7 +116,11 @@ def launch(method: str, budget: int | None, settings: dict[str, int], args: argp
     cmd = [*worker_command(method, budget, settings, args, out), *extra]
     # NOTE: one calibration per benchmark (in its temporary directory, shared by its runs): every
     # method is priced with the same step terms, and none of them comes from another session's cache.
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OSDP_LIGHTNING_CACHE_DIR": str(work / "calibration")}
+    # Every method's ranks get the thread count Lightning's DDP launcher sets (a share of the cores):
+    # ModelParallelStrategy (the hand-written FSDP2) sets none on the ranks it did not start.
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // args.devices))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OSDP_LIGHTNING_CACHE_DIR": str(work / "calibration"),
+           "OMP_NUM_THREADS": threads}
     start = time.perf_counter()
     with log.open("w") as handle:
         try:

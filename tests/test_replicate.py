@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -78,3 +80,14 @@ def test_all_replicate_memory_prediction_within_5_percent(train) -> None:
     assert result[0]["replicated_params"] == 10  # every tensor of the 5 Linears
     error = plan["predicted_peak_bytes"] / summary["peak_bytes"] - 1
     assert abs(error) <= MEMORY_TOL, (plan["predicted_peak_bytes"], summary["peak_bytes"])
+
+
+@pytest.mark.multiprocess
+def test_every_rank_gets_the_thread_count_lightning_ddp_sets(train, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's DDP launcher gives every rank its share of the cores; ModelParallelStrategy, osdp's
+    base, set none on the ranks it did not start (rank 1 ran a thread per core beside rank 0)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    ddp = train("ddp", "--model", "mlp", "--strategy", "ddp", "--steps", "2")
+    osdp = train("osdp", "--model", "mlp", "--uniform", "replicate", "--steps", "2")
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert [r["threads"] for r in ddp] == [r["threads"] for r in osdp] == [share, share]

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -74,7 +75,7 @@ def main() -> None:
     trainer.fit(model)
     result = {"rank": trainer.global_rank, "losses": model.losses, "summary": summary.summary,
               "grad_norms": norms.norms, "step_calls": model.step_calls,
-              "reductions_per_batch": counter.per_batch}
+              "reductions_per_batch": counter.per_batch, "threads": torch.get_num_threads()}
     reducer = replicate_reducer(trainer.strategy.model) if args.strategy == "osdp" else None
     result["replicated_params"] = len(reducer.params) if reducer is not None else 0  # on DDP's reducer
     plan = getattr(trainer.strategy, "_plan", None)
