@@ -409,6 +409,9 @@ def calibration_key(device: torch.device, world_size: int, ranks_per_node: int,
     return {"format": CACHE_FORMAT, "host": platform.node(), "torch": torch.__version__,
             "backend": dist.get_backend() if dist.is_initialized() else None, "device": device.type,
             "world_size": world_size, "ranks_per_node": ranks_per_node, "split": split,
+            # NOTE: on CPU the intra-op threads set compute and gloo's copies alike (8 MiB all-gather:
+            # 0.5 GB/s with two threads on rank 1, 0.16 GB/s with one on each rank, 2 cores)
+            "threads": torch.get_num_threads(),
             "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}" if optimizer else None,
             "optimizer_flags": {k: repr(v) for k, v in flags.items()}}
 
