@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 from osdp_lightning.recipes.text import python_docs_corpus
 
 from benchmarks import compare_report
@@ -118,7 +119,7 @@ def launch(method: str, budget: int | None, settings: dict[str, int], args: argp
     # method is priced with the same step terms, and none of them comes from another session's cache.
     # Every method's ranks get the thread count Lightning's DDP launcher sets (a share of the cores):
     # ModelParallelStrategy (the hand-written FSDP2) sets none on the ranks it did not start.
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // args.devices))
+    threads = os.environ.get("OMP_NUM_THREADS") or str(_suggested_max_num_threads(args.devices))
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OSDP_LIGHTNING_CACHE_DIR": str(work / "calibration"),
            "OMP_NUM_THREADS": threads}
     start = time.perf_counter()

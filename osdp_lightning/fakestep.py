@@ -199,14 +199,15 @@ class _BackwardFlops:
     A unit call's backward starts when the gradient of its output is complete and ends when the
     gradients of its inputs are, counting only inputs no other unit call took. NOTE: FlopCounterMode's
     own module tracker waits for every input, and an input that many units share (T5's position bias,
-    a learned tensor every block adds) is complete only at the end of the step: each block was charged
-    the backward of every block before it (block k about k + 1 times its own). A call with no input of
-    its own ends when a unit outside it starts.
+    a learned tensor every block adds) is complete only at the end of the step; GPT's blocks stayed
+    open too. Each block was charged the backward of every block before it (block k about k + 1 times
+    its own). A call with no input of its own ends when a unit outside it starts. ``clock``: the FLOPs
+    counted so far.
     """
 
-    def __init__(self, root: nn.Module, specs: Sequence[UnitSpec], flops: Callable[[], int],
+    def __init__(self, root: nn.Module, specs: Sequence[UnitSpec], clock: Callable[[], int],
                  nested: Callable[[str, str], bool]) -> None:
-        self.root, self.specs, self.clock, self.nested = root, specs, flops, nested
+        self.root, self.specs, self.clock, self.nested = root, specs, clock, nested
         self.flops: dict[str, int] = {s.name: 0 for s in specs} | {ROOT: 0}
         self._calls: list[tuple[str, list[torch.Tensor], list[torch.Tensor]]] = []  # unit, outputs, inputs
         self._stack: list[int] = []  # calls whose backward runs, innermost last

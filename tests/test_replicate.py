@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -89,5 +88,5 @@ def test_every_rank_gets_the_thread_count_lightning_ddp_sets(train, monkeypatch:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     ddp = train("ddp", "--model", "mlp", "--strategy", "ddp", "--steps", "2")
     osdp = train("osdp", "--model", "mlp", "--uniform", "replicate", "--steps", "2")
-    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    share = _suggested_max_num_threads(2)
     assert [r["threads"] for r in ddp] == [r["threads"] for r in osdp] == [share, share]
