@@ -58,6 +58,8 @@ class UnitProfile:
     """Its forward runs again after another unit's started (tied embedding and head): its
     activations and held bytes may be alive at any moment of the step, not only between its
     place in the execution order and its backward."""
+    part_of: str = ""
+    """The block this unit is a part of (``''``: a unit of its own: a block, an embedding, the root)."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,7 @@ def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
 
 def _with_measured_parts(block: UnitProfile, parts: list[UnitProfile], order: list[str]) -> UnitProfile:
     """A block's own figures (what its parts do not hold) plus its parts': the whole block."""
-    parts.sort(key=lambda p: order.index(p.name))
+    parts = sorted((dataclasses.replace(p, part_of=block.name) for p in parts), key=lambda p: order.index(p.name))
     return dataclasses.replace(
         block, param_count=block.param_count + sum(p.param_count for p in parts),
         frozen_param_count=block.frozen_param_count + sum(p.frozen_param_count for p in parts),
@@ -176,27 +178,33 @@ def _with_measured_parts(block: UnitProfile, parts: list[UnitProfile], order: li
         parts=tuple(parts) if len(parts) > 1 else ())  # one part: nothing to choose between
 
 
-def with_parts(profile: ModelProfile, blocks: Collection[str]) -> ModelProfile:
-    """``profile`` with each unit named in ``blocks`` replaced by its parts (in execution order).
+def with_parts(profile: ModelProfile, blocks: Collection[str], into_root: Collection[str] = ()) -> ModelProfile:
+    """``profile`` with each unit named in ``blocks`` replaced by its parts (in execution order), and
+    each unit named in ``into_root`` left to the root (no ``fully_shard`` of its own).
 
     What the parts do not hold (a block's norms and biases, the compute and activations between
-    its parts) goes to the root, as it does when FSDP2 wraps the parts and not the block.
+    its parts) goes to the root, as it does when FSDP2 wraps the parts and not the block; so does
+    all of a unit left to the root, as in hand-written FSDP2 (embeddings and head in the root).
     """
     units, root = [], profile.units[-1]
     rest = dict(params=0, frozen=0, forward_s=0.0, backward_s=0.0, activation_bytes=0, tensors=0, largest=0)
     for unit in profile.units[:-1]:
-        if unit.name not in blocks or not unit.parts:
+        if unit.name in into_root:
+            kept: tuple[UnitProfile, ...] = ()
+        elif unit.name in blocks and unit.parts:
+            kept = unit.parts
+        else:
             units.append(unit)
             continue
-        units += unit.parts
-        left_out = unit.param_count - sum(p.param_count for p in unit.parts)
+        units += kept
+        left_out = unit.param_count - sum(p.param_count for p in kept)
         rest["params"] += left_out
-        rest["tensors"] += unit.tensor_count - sum(p.tensor_count for p in unit.parts)
+        rest["tensors"] += unit.tensor_count - sum(p.tensor_count for p in kept)
         # NOTE: which of the block's tensors its parts leave out is not recorded: an upper bound.
         rest["largest"] = max(rest["largest"], min(unit.largest_tensor_count, left_out))
-        rest["frozen"] += unit.frozen_param_count - sum(p.frozen_param_count for p in unit.parts)
+        rest["frozen"] += unit.frozen_param_count - sum(p.frozen_param_count for p in kept)
         for key in ("forward_s", "backward_s", "activation_bytes"):
-            rest[key] += getattr(unit, key) - sum(getattr(p, key) for p in unit.parts)
+            rest[key] += getattr(unit, key) - sum(getattr(p, key) for p in kept)
     root = dataclasses.replace(
         root, param_count=root.param_count + rest["params"], frozen_param_count=root.frozen_param_count + rest["frozen"],
         tensor_count=root.tensor_count + rest["tensors"],

@@ -19,7 +19,7 @@ from toy_models import MLP, TiedLM, TorchTransformer  # noqa: E402
 
 from osdp_lightning.cluster import ClusterSpec  # noqa: E402
 from osdp_lightning.cost import build_choice_table  # noqa: E402
-from osdp_lightning.plan import make_plan, unit_sets  # noqa: E402
+from osdp_lightning.plan import _uniform_plan, make_plan, root_folds, unit_sets  # noqa: E402
 from osdp_lightning.profile import profile_lightning_module, with_parts  # noqa: E402
 from osdp_lightning.solve import smallest_feasible_budget  # noqa: E402
 from osdp_lightning.units import ROOT, find_blocks, select_units, unit_param_counts  # noqa: E402
@@ -96,6 +96,31 @@ def test_the_plan_descends_into_blocks_only_when_whole_blocks_do_not_fit() -> No
     assert tight.predicted_peak_bytes <= tight.memory_budget_bytes
 
 
+def test_units_outside_the_blocks_may_be_left_to_the_root_as_hand_written_fsdp2_does() -> None:
+    profile = _profile(TiedLM())
+    assert root_folds(profile) == [("embed+head",), ()]  # fewer units first: it wins ties
+    assert root_folds(with_parts(profile, ["blocks.layers.0"])) == [("embed+head",), ()]  # parts stay units
+    folded = with_parts(profile, (), ("embed+head",))
+    assert [u.name for u in folded.units] == ["blocks.layers.0", "blocks.layers.1", ROOT]
+    for key in ("param_count", "tensor_count", "forward_s", "backward_s", "activation_bytes"):
+        assert sum(getattr(u, key) for u in folded.units) == pytest.approx(sum(getattr(u, key) for u in profile.units))
+    both = with_parts(profile, ("blocks.layers.0",), ("embed+head",))
+    assert [u.name for u in both.units][:3] == ["blocks.layers.0.self_attn", "blocks.layers.0.linear1",
+                                                "blocks.layers.0.linear2"]
+    block = profile.units[1]  # its norms (in no part) and the embedding both go to the root
+    assert both.units[-1].param_count - folded.units[-1].param_count == \
+        block.param_count - sum(p.param_count for p in block.parts) > 0
+    # one unit less: one gather and one reduce-scatter launch less per step, at the same peak
+    steps = {}
+    for units in (profile, folded):
+        plan = _uniform_plan(build_choice_table(units, CLUSTER, choices=("zero3",)), units, CLUSTER, "zero3")
+        steps[len(plan.units)] = (plan.predicted_step_s, plan.predicted_peak_bytes)
+    assert steps[3][0] < steps[4][0] and steps[3][1] == steps[4][1]
+    assert [u.name for u in make_plan(profile, CLUSTER, uniform_choice="zero3").units] == [u.name for u in folded.units]
+    # a model without blocks, or with units the user named, keeps its units
+    assert root_folds(_profile(MLP())) == [()]
+
+
 @pytest.mark.multiprocess
 def test_a_mixed_granularity_plan_trains_like_ddp(train, tmp_path: Path) -> None:
     """Block 0 split into parts (one part split in two slices), block 1 whole: DDP's losses."""
@@ -113,4 +138,5 @@ def test_a_mixed_granularity_plan_trains_like_ddp(train, tmp_path: Path) -> None
     assert all(applied[name] == choice for name, choice in mixed.items())
     zero3 = train("zero3", "--model", "tied_lm", "--uniform", "zero3")  # automatic block units
     assert_same_losses(ddp, zero3)
-    assert "blocks.layers.1" in [u["name"] for u in assert_plan_and_memory(zero3)["units"]]
+    # the blocks, and the tied embedding and head left to the root (one unit less per step)
+    assert [u["name"] for u in assert_plan_and_memory(zero3)["units"]] == ["blocks.layers.0", "blocks.layers.1", ROOT]
