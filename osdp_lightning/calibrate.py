@@ -129,10 +129,12 @@ COLLECTIVE_BYTES = (64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
 least-squares slope through sizes up to a transformer block's (16 MiB), the constant the smallest
 size's time (docs/benchmarks.md section 0)."""
 COLLECTIVE_REPEATS = 7
-BENCH_ROUNDS_S = 1.2
+BENCH_ROUNDS_S = 1.6
 """Seconds the timed bench rounds may take: at least five rounds, more while they fit (a fast
-machine takes many; this project's 2-core VM about 7). Medians of 3-5 moved FSDP2's per-byte
-cost by 2x from one calibration to the next here."""
+machine takes many; this project's 2-core VM about 9). Medians of 3-5 moved FSDP2's per-byte
+cost by 2x from one calibration to the next here; with 1.2 s (7 rounds) the predicted
+all-replicate step of the GPT bench preset still ranged 0.117-0.152 s over 9 calibrations on a
+quiet machine, with 1.8 s 0.111-0.126 s over 5 (measured: 0.106-0.115 s; docs/benchmarks.md)."""
 MAX_BENCH_ROUNDS = 25
 STACK_WIDTHS = (64, 256, 768)
 """Widths of the Linear stacks (16 KiB, 256 KiB and 2.3 MiB per unit): the smallest pins the
