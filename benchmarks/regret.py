@@ -121,7 +121,7 @@ def plan_shape(shape: str, settings: dict[str, int], args: argparse.Namespace, w
     pickled = work / f"{shape}_planning.pkl"
     if planning.get("status") != "ok" or not pickled.exists():
         raise SystemExit(f"the planning run of {shape} failed:\n{planning.get('message')}")
-    pricing = Pricing.load(pickled)
+    pricing = Pricing.load(pickled, [u["name"] for u in planning["plan"]["units"]])
     # NOTE: the table is rebuilt as the strategy builds it; a drift between the two shows here.
     repriced = pricing.candidate("planning", "osdp", tuple(u["choice"] for u in planning["plan"]["units"]),
                                  pricing.cluster.memory_budget_bytes)

@@ -23,7 +23,7 @@ from osdp_lightning.choices import ChoiceOptions, choice_space
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.cost import ChoiceTable, build_choice_table
 from osdp_lightning.plan import InfeasibleBudgetError, Plan, _assemble, make_plan
-from osdp_lightning.profile import ModelProfile
+from osdp_lightning.profile import ModelProfile, with_units
 from osdp_lightning.solve import next_best_solutions, peak_bytes
 
 UNIFORM = ("replicate", "zero2", "zero3")
@@ -55,21 +55,29 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Pricing:
-    """What prices the candidates of one shape: the planning run's profile and cluster, and its table."""
+    """What prices the candidates of one shape: the planning run's profile and cluster, and its table.
+
+    ``units``: the unit set the table prices, that of the planning run's plan (the strategy's units at a
+    budget everything fits: the blocks, with the embeddings and head left to the root), so that the
+    uniform, next-best and random candidates use the units the strategy's own baselines use; osdp's
+    candidates are solved from ``profile``, over every unit set, as the strategy solves them.
+    """
 
     profile: ModelProfile
     cluster: ClusterSpec
     table: ChoiceTable
+    units: ModelProfile
 
     @classmethod
-    def load(cls, path: Path) -> Pricing:
+    def load(cls, path: Path, unit_names: list[str] | None = None) -> Pricing:
         saved = pickle.loads(path.read_bytes())
-        return cls.of(saved["profile"], saved["cluster"])
+        return cls.of(saved["profile"], saved["cluster"], unit_names)
 
     @classmethod
-    def of(cls, profile: ModelProfile, cluster: ClusterSpec) -> Pricing:
-        table = build_choice_table(profile, cluster, profile.micro_batch_size, choices=strategy_choices(cluster))
-        return cls(profile, cluster, table)
+    def of(cls, profile: ModelProfile, cluster: ClusterSpec, unit_names: list[str] | None = None) -> Pricing:
+        units = with_units(profile, unit_names) if unit_names is not None else profile
+        table = build_choice_table(units, cluster, profile.micro_batch_size, choices=strategy_choices(cluster))
+        return cls(profile, cluster, table, units)
 
     def cluster_at(self, budget_bytes: int) -> ClusterSpec:
         """The cluster at another budget, with the strategy's headroom."""
@@ -78,7 +86,7 @@ class Pricing:
 
     def candidate(self, name: str, kind: str, choices: tuple[str, ...], budget_bytes: int) -> Candidate:
         # NOTE: plan._assemble is how make_plan turns an assignment into a Plan; reused, not copied.
-        plan = _assemble(self.table, self.profile, self.cluster_at(budget_bytes), tuple(choices), status="Fixed",
+        plan = _assemble(self.table, self.units, self.cluster_at(budget_bytes), tuple(choices), status="Fixed",
                          solve_s=0.0, gap=None, source=f"regret:{name}")
         return Candidate(name, kind, plan)
 

@@ -237,6 +237,15 @@ def make_plan(profile: ModelProfile, cluster: ClusterSpec, *, uniform_choice: Ch
     return dataclasses.replace(best, accumulation_steps=accumulation_steps)
 
 
+def fixed_plan(profile: ModelProfile, cluster: ClusterSpec, assignment: tuple[str, ...] | list[str], *,
+               source: str = "fixed") -> Plan:
+    """The plan of ``assignment`` (a choice per unit of ``profile``, root last), priced, not solved:
+    exactly ``profile``'s units (hand-made plans and benchmarks' candidates; :func:`make_plan` also
+    searches unit sets)."""
+    table = build_choice_table(profile, cluster, profile.micro_batch_size, choices=tuple(sorted(set(assignment))))
+    return _assemble(table, profile, cluster, tuple(assignment), status="Fixed", solve_s=0.0, gap=None, source=source)
+
+
 def _best_solved_plan(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: ClusterSpec,
                       time_limit_s: float | None) -> Plan | None:
     """The highest-throughput plan of all ``tables`` (the first of equals), solving as few as it can.

@@ -214,6 +214,19 @@ def with_parts(profile: ModelProfile, blocks: Collection[str], into_root: Collec
     return dataclasses.replace(profile, units=(*units, root))
 
 
+def with_units(profile: ModelProfile, names: Collection[str]) -> ModelProfile:
+    """``profile`` over the units ``names`` (a plan's units, root included): the blocks whose parts
+    are named descended into them, every other unit not named left to the root (:func:`with_parts`)."""
+    named = set(names)
+    blocks = [u.name for u in profile.units if u.name not in named and any(p.name in named for p in u.parts)]
+    into_root = [u.name for u in profile.units[:-1] if u.name not in named and u.name not in blocks]
+    regrouped = with_parts(profile, blocks, into_root)
+    if {u.name for u in regrouped.units} != named:
+        raise ValueError(f"no unit set of this profile has the units {sorted(named)}; its units: "
+                         f"{[u.name for u in profile.units]} (parts: {[p.name for u in profile.units for p in u.parts]})")
+    return regrouped
+
+
 class _NoHook:
     def remove(self) -> None:
         pass

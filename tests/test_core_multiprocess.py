@@ -92,8 +92,9 @@ def test_tied_language_model_matches_ddp_with_a_solved_mix(train) -> None:
     osdp = train("mixed", "--model", "tied_lm", "--budget", str(budget), "--split-factors", "", *SHARDING_ONLY)
     assert_same_losses(ddp, osdp)
     plan = assert_plan_and_memory(osdp)
-    tied = [u for u in plan["units"] if u["name"] == "embed+head"]
-    assert tied and tied[0]["module_names"] == ["embed", "head"]
+    # the tied embedding and head: one unit, or both left to the root (never one without the other)
+    tied = [u["module_names"] for u in plan["units"] if {"embed", "head"} & set(u["module_names"])]
+    assert tied in ([["embed", "head"]], [])
 
 
 def test_bf16_mixed_precision_matches_ddp(train) -> None:

@@ -15,12 +15,12 @@ from osdp_lightning.recipes.bert.model import Bert, BertConfig  # noqa: E402
 from osdp_lightning.recipes.gpt.model import GPT, GPTConfig  # noqa: E402
 from osdp_lightning.recipes.t5.model import T5, T5Config  # noqa: E402
 from test_core_multiprocess import assert_plan_and_memory, assert_same_losses  # noqa: E402
-from toy_models import MLP, TiedLM, TorchTransformer  # noqa: E402
+from toy_models import MLP, HuggingFaceLM, TiedLM, TorchTransformer  # noqa: E402
 
 from osdp_lightning.cluster import ClusterSpec  # noqa: E402
 from osdp_lightning.cost import build_choice_table  # noqa: E402
 from osdp_lightning.plan import _uniform_plan, make_plan, root_folds, unit_sets  # noqa: E402
-from osdp_lightning.profile import profile_lightning_module, with_parts  # noqa: E402
+from osdp_lightning.profile import profile_lightning_module, with_parts, with_units  # noqa: E402
 from osdp_lightning.solve import smallest_feasible_budget  # noqa: E402
 from osdp_lightning.units import ROOT, find_blocks, select_units, unit_param_counts  # noqa: E402
 
@@ -119,6 +119,11 @@ def test_units_outside_the_blocks_may_be_left_to_the_root_as_hand_written_fsdp2_
     assert [u.name for u in make_plan(profile, CLUSTER, uniform_choice="zero3").units] == [u.name for u in folded.units]
     # a model without blocks, or with units the user named, keeps its units
     assert root_folds(_profile(MLP())) == [()]
+    # a plan's units give back the unit set it was solved on (the regret benchmark prices candidates there)
+    for units in (folded, both, profile):
+        assert with_units(profile, [u.name for u in units.units]) == units
+    with pytest.raises(ValueError, match="no unit set"):
+        with_units(profile, ["blocks.layers.0.linear1", ROOT])  # a part without its block's other parts
 
 
 @pytest.mark.multiprocess
@@ -140,3 +145,23 @@ def test_a_mixed_granularity_plan_trains_like_ddp(train, tmp_path: Path) -> None
     assert_same_losses(ddp, zero3)
     # the blocks, and the tied embedding and head left to the root (one unit less per step)
     assert [u["name"] for u in assert_plan_and_memory(zero3)["units"]] == ["blocks.layers.0", "blocks.layers.1", ROOT]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "t5"])
+def test_hugging_face_blocks_are_units_and_a_mixed_plan_over_them_trains_like_ddp(train, tmp_path: Path,
+                                                                                 kind: str) -> None:
+    """HF ``GPT2Block`` / ``BertLayer`` / ``T5Block`` found as units (models built from configs)."""
+    profile = _profile(HuggingFaceLM(kind))
+    blocks = [u.name for u in profile.units if u.parts]
+    assert len(blocks) == (4 if kind == "t5" else 2)
+    plan = make_plan(profile, CLUSTER, uniform_choice="zero3")
+    mixed = {**{name: ("replicate", "zero3")[i % 2] for i, name in enumerate(blocks)}, ROOT: "zero2"}
+    plan = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, choice=mixed.get(u.name, u.choice))
+                                                 for u in plan.units))
+    plan.save(tmp_path / "mixed.json")
+    ddp = train("ddp", "--model", f"hf_{kind}", "--strategy", "ddp")
+    osdp = train("mixed", "--model", f"hf_{kind}", "--plan", str(tmp_path / "mixed.json"))
+    assert_same_losses(ddp, osdp)
+    applied = {u["name"]: u["choice"] for u in osdp[0]["plan"]["units"]}
+    assert applied == {u.name: mixed.get(u.name, "zero3") for u in plan.units}

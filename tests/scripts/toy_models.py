@@ -133,4 +133,39 @@ class DropoutMLP(Regression):
         return self.head(x)
 
 
-MODELS = {"mlp": MLP, "transformer": TorchTransformer, "tied_lm": TiedLM, "dropout_mlp": DropoutMLP}
+class HuggingFaceLM(LossRecorder):
+    """A Hugging Face ``transformers`` model built from a config: random weights, nothing downloaded.
+
+    Its blocks (``GPT2Block``, ``BertLayer``, ``T5Block``) are found by the default unit selection,
+    as an FSDP user's auto-wrap policy finds them.
+    """
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        import transformers as hf
+
+        small = dict(vocab_size=VOCAB, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        if kind == "gpt2":
+            self.net = hf.GPT2LMHeadModel(hf.GPT2Config(n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                                        embd_pdrop=0.0, attn_pdrop=0.0, **small))
+        elif kind == "bert":
+            self.net = hf.BertForMaskedLM(hf.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                        intermediate_size=64, max_position_embeddings=SEQ,
+                                                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                                        **small))
+        else:
+            self.net = hf.T5ForConditionalGeneration(hf.T5Config(d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                                                 num_heads=2, dropout_rate=0.0,
+                                                                 decoder_start_token_id=0, **small))
+
+    def make_data(self, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+        start = torch.randint(0, VOCAB, (256, 1), generator=g)
+        return ((start + torch.arange(SEQ)) % VOCAB,)
+
+    def compute_loss(self, batch) -> torch.Tensor:  # noqa: ANN001
+        (tokens,) = batch
+        return self.net(input_ids=tokens, labels=tokens).loss
+
+
+MODELS = {"mlp": MLP, "transformer": TorchTransformer, "tied_lm": TiedLM, "dropout_mlp": DropoutMLP,
+          **{f"hf_{kind}": (lambda kind=kind: HuggingFaceLM(kind)) for kind in ("gpt2", "bert", "t5")}}

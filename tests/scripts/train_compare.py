@@ -22,11 +22,9 @@ from toy_models import MODELS  # noqa: E402
 import osdp_lightning  # noqa: E402,F401  (registers "osdp")
 from osdp_lightning import ClusterSpec, OSDPStrategy, TrainingSummary  # noqa: E402
 from osdp_lightning.clip import total_grad_norm  # noqa: E402
-from osdp_lightning.cost import build_choice_table  # noqa: E402
-from osdp_lightning.plan import Plan, make_plan  # noqa: E402
+from osdp_lightning.plan import Plan, fixed_plan  # noqa: E402
 from osdp_lightning.profile import profile_lightning_module  # noqa: E402
 from osdp_lightning.replicate import replicate_reducer  # noqa: E402
-from osdp_lightning.solve import peak_bytes  # noqa: E402
 
 
 def main() -> None:
@@ -140,20 +138,20 @@ def _hand_made_plan(model: L.LightningModule, world_size: int, choices: str) -> 
         for u in profile.units))
     cluster = ClusterSpec(world_size=world_size, memory_budget_bytes=2**40, collective_latency_s=1e-4,
                           bandwidth_bytes_per_s=1e9)
-    plan = make_plan(profile, cluster, uniform_choice="zero3")
-    units = tuple(dataclasses.replace(u, choice=wanted.pop(u.name, u.choice)) for u in plan.units)
-    if wanted:
-        raise ValueError(f"no units named {sorted(wanted)}; units: {[u.name for u in plan.units]}")
+    # the profile's own units (no unit set searched: the names are the default selection's)
+    unknown = sorted(set(wanted) - {u.name for u in profile.units})
+    if unknown:
+        raise ValueError(f"no units named {unknown}; units: {[u.name for u in profile.units]}")
+    assignment = [wanted.get(u.name, "zero3") for u in profile.units]
     # the hand-made assignment's own predicted peak, so that a run can compare its measured one;
     # a choice the cost model refuses here (hsdp(g=1), applied only to test its mesh) leaves it unpriced
-    assignment = [u.choice for u in units]
     try:
-        table = build_choice_table(profile, cluster, choices=sorted(set(assignment)))
+        return fixed_plan(profile, cluster, assignment, source="hand-made")
     except ValueError as err:
+        plan = fixed_plan(profile, cluster, ["zero3"] * len(assignment))
+        units = tuple(dataclasses.replace(u, choice=c) for u, c in zip(plan.units, assignment, strict=True))
         return dataclasses.replace(plan, units=units, source=f"hand-made (peak not priced: {err})",
                                    predicted_peak_bytes=0)
-    return dataclasses.replace(plan, units=units, source="hand-made",
-                               predicted_peak_bytes=peak_bytes(table, assignment))
 
 
 def _number(text: str) -> int | float:
