@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from osdp_lightning.budget import parse_bytes, parse_memory_budget
-from osdp_lightning.calibrate import CollectiveTimings
+from osdp_lightning.calibrate import CollectiveTimings, least_time_s
 from osdp_lightning.step_terms import StepTerms, step_terms_from_config
 
 
@@ -247,20 +246,6 @@ def environment_topology() -> tuple[int, int]:
     return world, int(local) if local else world
 
 
-def _median_s(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    fn()  # warm-up: connection set-up, allocator
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def _time_group(group: dist.ProcessGroup, device: torch.device, payload_bytes: int,
                 repeats: int) -> tuple[float, float]:
     """``(latency_s, bandwidth_bytes_per_s)`` of ``group``: a tiny all-reduce and a large all-gather."""
@@ -268,8 +253,8 @@ def _time_group(group: dist.ProcessGroup, device: torch.device, payload_bytes: i
     tiny = torch.zeros(1, device=device)
     shard = torch.ones(max(payload_bytes // 4 // size, 1), device=device)
     gathered = torch.empty(shard.numel() * size, device=device)
-    latency = _median_s(lambda: dist.all_reduce(tiny, group=group), device, repeats)
-    gather_s = _median_s(lambda: dist.all_gather_into_tensor(gathered, shard, group=group), device, repeats)
+    latency = least_time_s(lambda: dist.all_reduce(tiny, group=group), device, repeats)
+    gather_s = least_time_s(lambda: dist.all_gather_into_tensor(gathered, shard, group=group), device, repeats)
     moved = gathered.numel() * 4 * (size - 1) / size
     return latency, moved / max(gather_s - latency, 1e-9)
 
