@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import TQDMProgressBar
 from omegaconf import DictConfig
 
 import osdp_lightning  # noqa: F401  (registers strategy="osdp")
@@ -50,7 +51,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     strategy = instantiate(cfg.strategy, _convert_="all")
     summary = TrainingSummary(tokens_per_sample=datamodule.tokens_per_sample)
     loggers = [instantiate(logger) for logger in cfg.get("logger", {}).values()]
-    trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=[summary], logger=loggers or False)
+    # NOTE: Lightning switches to its rich progress bar when `rich` is installed (transformers, a test
+    # dependency, pulls it in; it shows "Epoch 0/-2" for max_epochs=-1): the tqdm bar either way.
+    bar = [TQDMProgressBar()] if cfg.trainer.get("enable_progress_bar", True) else []
+    trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=[summary, *bar], logger=loggers or False)
     try:
         trainer.fit(module, datamodule=datamodule)
         return report(trainer, summary, cfg) if trainer.is_global_zero else {}
