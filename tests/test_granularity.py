@@ -19,7 +19,7 @@ from toy_models import MLP, HuggingFaceLM, TiedLM, TorchTransformer  # noqa: E40
 
 from osdp_lightning.cluster import ClusterSpec  # noqa: E402
 from osdp_lightning.cost import build_choice_table  # noqa: E402
-from osdp_lightning.plan import _uniform_plan, make_plan, root_folds, unit_sets  # noqa: E402
+from osdp_lightning.plan import fixed_plan, make_plan, root_folds, unit_sets  # noqa: E402
 from osdp_lightning.profile import profile_lightning_module, with_parts, with_units  # noqa: E402
 from osdp_lightning.solve import smallest_feasible_budget  # noqa: E402
 from osdp_lightning.units import ROOT, find_blocks, select_units, unit_param_counts  # noqa: E402
@@ -113,7 +113,7 @@ def test_units_outside_the_blocks_may_be_left_to_the_root_as_hand_written_fsdp2_
     # one unit less: one gather and one reduce-scatter launch less per step, at the same peak
     steps = {}
     for units in (profile, folded):
-        plan = _uniform_plan(build_choice_table(units, CLUSTER, choices=("zero3",)), units, CLUSTER, "zero3")
+        plan = fixed_plan(units, CLUSTER, ["zero3"] * len(units.units))
         steps[len(plan.units)] = (plan.predicted_step_s, plan.predicted_peak_bytes)
     assert steps[3][0] < steps[4][0] and steps[3][1] == steps[4][1]
     assert [u.name for u in make_plan(profile, CLUSTER, uniform_choice="zero3").units] == [u.name for u in folded.units]
