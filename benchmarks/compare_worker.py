@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> tuple[L.Trainer, dict[str, Any]]:
                        n_head=args.n_head, n_embd=args.n_embd, dropout=0.0)
     data = GPTDataModule(seq_len=args.seq_len, batch_size=args.batch_size, text_files=args.text_file)
     module = HAND_MODULES.get(args.method, GPTLitModule)(GPT(config))
-    summary, phases = TrainingSummary(tokens_per_sample=data.tokens_per_sample), PhaseTimer()
+    summary, phases = TrainingSummary(tokens_per_sample=data.tokens_per_sample, module_memory=True), PhaseTimer()
     trainer = build_trainer(args, [summary, phases])
     record: dict[str, Any] = {"method": args.method, "budget_bytes": args.budget,
                               "param_count": sum(p.numel() for p in module.parameters())}

@@ -22,18 +22,18 @@ from typing import Any
 
 from benchmarks.replan import cluster_of, profile_from_dict
 from osdp_lightning.cost import build_choice_table
-from osdp_lightning.profile import ModelProfile, with_parts
+from osdp_lightning.profile import ModelProfile, with_units
 from osdp_lightning.solve import peak_bytes
 
 
 def _profile_of(run: dict[str, Any]) -> ModelProfile | None:
-    """The run's profile at the granularity of its plan (``None`` when they do not match)."""
+    """The run's profile over the units of its plan (``None`` when it has no such unit set)."""
     profile = profile_from_dict(run["profile"])
     units = tuple(dataclasses.replace(u, interleaved=u.interleaved or "+" in u.name) for u in profile.units)
-    names = [u["name"] for u in run["plan"]["units"]]
-    profile = with_parts(dataclasses.replace(profile, units=units),
-                         [u.name for u in units if u.parts and u.name not in names])
-    return profile if [u.name for u in profile.units] == names else None
+    try:
+        return with_units(dataclasses.replace(profile, units=units), [u["name"] for u in run["plan"]["units"]])
+    except ValueError:
+        return None
 
 
 def repriced_bytes(run: dict[str, Any]) -> int | None:

@@ -21,10 +21,11 @@ Within the budget, plans keep a headroom free for what the cost model misses
 (:func:`plan_headroom_bytes`; ``headroom=`` on the strategy, ``strategy.headroom`` in conf):
 
 - CPU: :data:`PLAN_HEADROOM_FRACTION` (4%): above the memory model's largest measured miss here.
-  Mixes of replicated and zero3 *leaf* units were predicted 2.1% and 3.4% low (about one zero3
-  leaf's gradients: FSDP2's reduce-scatter input outlives its unit's backward) and ran over 2% and
-  3% headrooms (docs/benchmarks.md section 0); uniform plans on block units are predicted 2-6%
-  high, so pricing that buffer alone made them 10-14% high (see the closing notes of issue 10);
+  Every plan of every recorded benchmark priced by today's model (``benchmarks.reprice_memory``,
+  16 runs files, 2 gloo ranks, FSDPMemTracker peaks): at most 2.7% under (a replicated block
+  checkpointed, GPT 2 x 512), uniform zero2 / zero3 on blocks within 1%. Earlier, mixes of
+  replicated and zero3 *leaf* units were 2.1% and 3.4% under and ran over 2% and 3% headrooms
+  (docs/benchmarks.md section 0);
 - CUDA: that plus the caching allocator's fragmentation measured while profiling (reserved over
   allocated bytes at the peak, at most 10%), else :data:`CUDA_PLAN_HEADROOM_FRACTION` (5%, not
   measured on a GPU here).

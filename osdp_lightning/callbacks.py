@@ -33,11 +33,18 @@ class TrainingSummary(Callback):
             tensor in the batch (``(B, T)`` token ids), else 1.
         track_memory_step: Index of the step whose memory is tracked (after the optimizer has
             created its state, so the peak is the steady-state one).
+        module_memory: Also keep, in ``summary["module_memory"]``, this rank's bytes per tracked
+            module at the start and peak of its forward and backward (CPU trackers only): where
+            in the step memory peaks, to set beside the cost model's moments
+            (``python -m benchmarks.memory_moments``).
     """
 
-    def __init__(self, tokens_per_sample: int | None = None, track_memory_step: int = 2) -> None:
+    def __init__(self, tokens_per_sample: int | None = None, track_memory_step: int = 2,
+                 module_memory: bool = False) -> None:
         self.tokens_per_sample = tokens_per_sample
         self.track_memory_step = track_memory_step
+        self.module_memory = module_memory
+        self._module_memory: dict[str, dict[str, int]] = {}
         self.summary: dict[str, Any] = {}
         self._step_starts: list[float] = []
         self._tracked_index: int | None = None
@@ -68,6 +75,8 @@ class TrainingSummary(Callback):
             self._last_loss = float(loss.detach())
         if self._tracker is not None and self._tracked_index == len(self._step_starts) - 1:
             self._peak_bytes = _stop_tracking(self._tracker, trainer)
+            if self.module_memory:
+                self._module_memory = module_snapshots(self._tracker)
             self._tracker = None
             # NOTE: NaN replaces the next start, so neither the tracked step nor the gap after it is timed.
             self._step_starts.append(float("nan"))
@@ -95,6 +104,8 @@ class TrainingSummary(Callback):
             "predicted_step_s": getattr(plan, "predicted_step_s", None),
             "final_loss": float(loss.item()), "world_size": world, "micro_batch_size": self._samples_per_step,
         }
+        if self.module_memory:
+            self.summary["module_memory"] = self._module_memory
         log_measured(trainer, self.summary)  # predicted against measured, to every logger
 
     def format(self) -> str:
@@ -162,6 +173,29 @@ def _has_grouped_modules(model: torch.nn.Module) -> bool:
 
     return any(len(getattr(fully_shard.state(m), "_modules", ())) > 1
                for m in model.modules() if isinstance(m, FSDPModule))
+
+
+_MODULE_STATES = {"PRE_FW": "forward_start", "BEF_PRE_FW": "forward_start", "PEAK_FW": "forward_peak",
+                  "PRE_BW": "backward_start", "BEF_PRE_BW": "backward_start", "PEAK_BW": "backward_peak",
+                  "POST_FW_AC": "recomputed"}
+"""Tracker states kept per module, by state name: ``MemTracker``'s ``_ModState`` and
+``FSDPMemTracker``'s ``_FSDPModState`` (whose starts are before FSDP2's pre-hooks)."""
+
+
+def module_snapshots(tracker: object) -> dict[str, dict[str, int]]:
+    """Bytes of this rank at each state of :data:`_MODULE_STATES` per module a CPU tracker
+    followed (the largest, for a module that ran twice), by name relative to the tracked model
+    (``""``: the model itself); ``{}`` for the CUDA allocator, which keeps no such record."""
+    tracking = getattr(tracker, "memory_tracking", None)
+    if not tracking:
+        return {}
+    out: dict[str, dict[str, int]] = {}
+    for stat in tracking.values():
+        name = stat.mod_fqn.partition(".")[2]  # NOTE: the trackers name the tracked model by its class
+        out[name] = {label: max(sum(dev.get("Total", 0) for dev in snap.values()) for snap in snaps)
+                     for state, snaps in stat.snapshots.items()
+                     if snaps and (label := _MODULE_STATES.get(getattr(state, "name", "")))}
+    return out
 
 
 def _stop_tracking(tracker: contextlib.AbstractContextManager, trainer: pl.Trainer) -> int:

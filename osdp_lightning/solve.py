@@ -144,19 +144,24 @@ def _moment_peak(parts: tuple[list[int], ...], spans: list[bool], through: bool 
     run between two sharded units leaves the far one's buffer alive (measured with
     FSDPMemTracker, docs/design.md section 4). ``through=False``: neighbours only (a lower bound).
     """
+    return max((max(moment) for moment in _moments(parts, spans, through)), default=0)
+
+
+def _moments(parts: tuple[list[int], ...], spans: list[bool], through: bool = True) -> list[tuple[int, int]]:
+    """Each unit's forward and backward moment of :func:`_moment_peak`, besides the state."""
     live, forward, transients, prefetches, backward = parts
     buffer = [0, *_carried(prefetches, through)[:-1]]
     before = [0, *_carried(backward, through)[:-1]]
     after = [*_carried(backward[::-1], through)[::-1][1:], 0]
     total = sum(live)
     below = sum(b for b, spanning in zip(live, spans, strict=True) if spanning)
-    peak = 0
+    moments = []
     for u, spanning in enumerate(spans):
         upto = total if spanning else below + live[u]
-        peak = max(peak, (total if spanning else below) + forward[u] + buffer[u],
-                   upto + transients[u] + max(before[u], after[u]))
+        moments.append(((total if spanning else below) + forward[u] + buffer[u],
+                        upto + transients[u] + max(before[u], after[u])))
         below = below if spanning else upto
-    return peak
+    return moments
 
 
 def _transient_ceiling(transients: list[int], prefetches: list[int]) -> int:
@@ -169,9 +174,17 @@ def _transient_ceiling(transients: list[int], prefetches: list[int]) -> int:
 
 def peak_bytes(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> int:
     """Exact per-rank peak of an assignment under the model the ILP uses."""
+    moments = moment_bytes(table, choices)
+    return max(max(moment) for moment in moments) if moments else table.activation_bytes + table.fixed_bytes
+
+
+def moment_bytes(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> list[tuple[int, int]]:
+    """Per unit, the bytes per rank the model the ILP uses predicts at its forward and at its
+    backward moment (docs/design.md section 4); :func:`peak_bytes` is the largest."""
     costs = _chosen(table, choices)
-    moments = _moment_peak(_parts_of(costs), [unit.spans_step for unit in table.units])
-    return sum(cost.state_bytes for cost in costs) + moments + table.activation_bytes + table.fixed_bytes
+    below = sum(cost.state_bytes for cost in costs) + table.activation_bytes + table.fixed_bytes
+    moments = _moments(_parts_of(costs), [unit.spans_step for unit in table.units])
+    return [(below + forward, below + backward) for forward, backward in moments]
 
 
 def _choice_step_s(unit: UnitCosts, cost: ChoiceCost) -> float:

@@ -130,6 +130,17 @@ def test_compare_smoke_two_ranks(tmp_path: Path) -> None:
     assert osdp["budget_bytes"] == int(0.9 * runs[1]["summary"]["peak_bytes"])
     assert osdp["summary"]["peak_bytes"] <= osdp["budget_bytes"]
     assert "| osdp @ 90% |" in (tmp_path / "compare.md").read_text()
+    # Where the step peaks, unit by unit: the model's moments beside the tracker's per-module peaks.
+    from benchmarks.memory_moments import runs_of, table_of, unit_rows
+
+    assert [r["method"] for r in runs_of(tmp_path / "compare_runs.json")] == ["osdp-replicate", "osdp"]
+    rows = unit_rows(osdp)
+    assert [r["unit"] for r in rows] == [u["name"] or "(root)" for u in osdp["plan"]["units"]]
+    assert max(max(r["forward"], r["backward"]) for r in rows) == osdp["plan"]["predicted_peak_bytes"]
+    measured = [r[key] for r in rows for key in ("forward_peak", "backward_peak") if key in r]
+    assert measured and max(measured) <= osdp["summary"]["peak_bytes"]
+    assert all(r["backward_peak"] >= r["backward_start"] for r in rows if "backward_peak" in r)
+    assert "| unit | choice |" in table_of(osdp)
 
 
 def test_fitted_terms_price_a_mixed_plan() -> None:
