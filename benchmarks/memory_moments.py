@@ -1,14 +1,14 @@
 """Where a step peaks, unit by unit: the memory model's moments beside FSDPMemTracker's.
 
-    python -m benchmarks.memory_moments docs/benchmarks/seventh/seq256/compare_runs.json
+    python -m benchmarks.memory_moments docs/benchmarks/seventh/moments/l_smallest.json
     python -m benchmarks.memory_moments run.json --method osdp     (a compare_worker output)
 
 For every osdp run of an ``osdp-bench`` runs file (or one ``compare_worker`` record) that kept its
 per-module memory (``TrainingSummary(module_memory=True)``, which the benchmark's worker sets),
-each unit of its plan gets two rows' worth of figures: the bytes per rank the model the ILP uses
-predicts at the unit's forward and at its backward moment (``solve.moment_bytes``, priced on the
-run's own profile and plan), and the tracker's peak during that unit's forward and backward
-(rank 0; for the root, the whole forward and backward). The tracker's bytes when the unit's
+each unit of its plan gets the bytes per rank the model the ILP uses predicts at the unit's
+forward and at its backward moment (``solve.moment_bytes``, priced on the run's own profile and
+plan) beside the tracker's peak during that unit's forward and backward, on the rank that peaked
+highest (for the root: the whole forward and backward). The tracker's bytes when the unit's
 backward starts, and after a checkpointed unit's recompute, show what the peak is made of. Nothing
 is trained: a change to the memory model shows here moment by moment.
 """
@@ -75,8 +75,9 @@ def table_of(run: dict[str, Any]) -> str:
     rows = unit_rows(run)
     summary, plan = run["summary"], run["plan"]
     budget = f" at {run['budget_bytes'] / MIB:.2f} MiB" if run.get("budget_bytes") else ""
+    rank = summary.get("module_memory_rank", 0)
     lines = [f"{run['method']}{budget}: measured peak {summary['peak_bytes'] / MIB:.2f} MiB, predicted "
-             f"{plan['predicted_peak_bytes'] / MIB:.2f}", "",
+             f"{plan['predicted_peak_bytes'] / MIB:.2f}; modules of rank {rank}", "",
              "| unit | choice | forward: predicted / measured peak | backward: predicted / measured peak | "
              "measured at backward start | measured after recompute |", "|---|---|---|---|---|---|"]
     for r in rows:

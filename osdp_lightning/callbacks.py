@@ -33,10 +33,10 @@ class TrainingSummary(Callback):
             tensor in the batch (``(B, T)`` token ids), else 1.
         track_memory_step: Index of the step whose memory is tracked (after the optimizer has
             created its state, so the peak is the steady-state one).
-        module_memory: Also keep, in ``summary["module_memory"]``, this rank's bytes per tracked
-            module at the start and peak of its forward and backward (CPU trackers only): where
-            in the step memory peaks, to set beside the cost model's moments
-            (``python -m benchmarks.memory_moments``).
+        module_memory: Also keep, in ``summary["module_memory"]``, the bytes per tracked module at
+            the start and peak of its forward and backward (CPU trackers only) of the rank whose
+            step peaked highest (``summary["module_memory_rank"]``): where in the step memory
+            peaks, to set beside the cost model's moments (``python -m benchmarks.memory_moments``).
     """
 
     def __init__(self, tokens_per_sample: int | None = None, track_memory_step: int = 2,
@@ -105,8 +105,18 @@ class TrainingSummary(Callback):
             "final_loss": float(loss.item()), "world_size": world, "micro_batch_size": self._samples_per_step,
         }
         if self.module_memory:
-            self.summary["module_memory"] = self._module_memory
+            self.summary["module_memory_rank"], self.summary["module_memory"] = self._peak_rank_modules(trainer)
         log_measured(trainer, self.summary)  # predicted against measured, to every logger
+
+    def _peak_rank_modules(self, trainer: pl.Trainer) -> tuple[int, dict[str, dict[str, int]]]:
+        """The module memory of the rank whose tracked step peaked highest (ranks differ: which
+        buffers outlive a unit's backward varies from launch to launch), and that rank."""
+        mine = (self._peak_bytes, trainer.global_rank, self._module_memory)
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            every: list[Any] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(every, mine)
+            mine = max(every, key=lambda entry: (entry[0], -entry[1]))
+        return mine[1], mine[2]
 
     def format(self) -> str:
         s = self.summary
