@@ -20,9 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.replan import cluster_of
-from benchmarks.reprice_memory import _profile_of
-from osdp_lightning.cost import build_choice_table
+from benchmarks.reprice_memory import priced_plan
 from osdp_lightning.solve import moment_bytes
 
 MIB = 2**20
@@ -50,15 +48,12 @@ def measured_of(module_memory: dict[str, dict[str, int]], module_names: list[str
 
 def unit_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
     """Per unit of the run's plan: its choice, the predicted moments and the tracker's figures."""
-    plan, profile = run["plan"], _profile_of(run)
-    if profile is None:
+    priced = priced_plan(run)
+    if priced is None:
         return []
-    choices = tuple(u["choice"] for u in plan["units"])
-    table = build_choice_table(profile, cluster_of(plan), plan["micro_batch_size"], choices=sorted(set(choices)),
-                               accumulation_steps=plan.get("accumulation_steps", 1))
     memory = run["summary"]["module_memory"]
     rows = []
-    for unit, (forward, backward) in zip(plan["units"], moment_bytes(table, choices), strict=True):
+    for unit, (forward, backward) in zip(run["plan"]["units"], moment_bytes(*priced), strict=True):
         names = list(unit.get("module_names") or [unit["name"]])
         rows.append({"unit": unit["name"] or "(root)", "choice": unit["choice"], "forward": forward,
                      "backward": backward, **measured_of(memory, names)})

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.replan import cluster_of, profile_from_dict
-from osdp_lightning.cost import build_choice_table
+from osdp_lightning.cost import ChoiceTable, build_choice_table
 from osdp_lightning.profile import ModelProfile, with_units
 from osdp_lightning.solve import peak_bytes
 
@@ -36,16 +36,22 @@ def _profile_of(run: dict[str, Any]) -> ModelProfile | None:
         return None
 
 
-def repriced_bytes(run: dict[str, Any]) -> int | None:
-    """Today's predicted peak of the run's plan, or ``None`` when its profile does not fit it."""
+def priced_plan(run: dict[str, Any]) -> tuple[ChoiceTable, tuple[str, ...]] | None:
+    """The run's plan priced by today's cost model: its choice table (on the run's own profile and
+    cluster) and its choices, or ``None`` when its profile does not fit it."""
     plan, profile = run["plan"], _profile_of(run)
     if profile is None:
         return None
-    cluster = cluster_of(plan)
     choices = tuple(u["choice"] for u in plan["units"])
-    table = build_choice_table(profile, cluster, plan["micro_batch_size"], choices=sorted(set(choices)),
+    table = build_choice_table(profile, cluster_of(plan), plan["micro_batch_size"], choices=sorted(set(choices)),
                                accumulation_steps=plan.get("accumulation_steps", 1))
-    return peak_bytes(table, choices)
+    return table, choices
+
+
+def repriced_bytes(run: dict[str, Any]) -> int | None:
+    """Today's predicted peak of the run's plan, or ``None`` when its profile does not fit it."""
+    priced = priced_plan(run)
+    return None if priced is None else peak_bytes(*priced)
 
 
 def table_of(path: Path) -> str:
