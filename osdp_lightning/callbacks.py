@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from osdp_lightning.budget import format_bytes
+from osdp_lightning.profile import module_snapshots
 from osdp_lightning.report import log_measured
 
 WARMUP_STEPS = 2
@@ -183,29 +184,6 @@ def _has_grouped_modules(model: torch.nn.Module) -> bool:
 
     return any(len(getattr(fully_shard.state(m), "_modules", ())) > 1
                for m in model.modules() if isinstance(m, FSDPModule))
-
-
-_MODULE_STATES = {"PRE_FW": "forward_start", "BEF_PRE_FW": "forward_start", "PEAK_FW": "forward_peak",
-                  "PRE_BW": "backward_start", "BEF_PRE_BW": "backward_start", "PEAK_BW": "backward_peak",
-                  "POST_FW_AC": "recomputed"}
-"""Tracker states kept per module, by state name: ``MemTracker``'s ``_ModState`` and
-``FSDPMemTracker``'s ``_FSDPModState`` (whose starts are before FSDP2's pre-hooks)."""
-
-
-def module_snapshots(tracker: object) -> dict[str, dict[str, int]]:
-    """Bytes of this rank at each state of :data:`_MODULE_STATES` per module a CPU tracker
-    followed (the largest, for a module that ran twice), by name relative to the tracked model
-    (``""``: the model itself); ``{}`` for the CUDA allocator, which keeps no such record."""
-    tracking = getattr(tracker, "memory_tracking", None)
-    if not tracking:
-        return {}
-    out: dict[str, dict[str, int]] = {}
-    for stat in tracking.values():
-        name = stat.mod_fqn.partition(".")[2]  # NOTE: the trackers name the tracked model by its class
-        out[name] = {label: max(sum(dev.get("Total", 0) for dev in snap.values()) for snap in snaps)
-                     for state, snaps in stat.snapshots.items()
-                     if snaps and (label := _MODULE_STATES.get(getattr(state, "name", "")))}
-    return out
 
 
 def _stop_tracking(tracker: contextlib.AbstractContextManager, trainer: pl.Trainer) -> int:

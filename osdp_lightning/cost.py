@@ -11,6 +11,7 @@ times, and :func:`build_choice_table`. The terms are explained in ``docs/design.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -155,6 +156,15 @@ class ChoiceCost:
     """Bytes all-gathered for its backward, which FSDP2 prefetches while the unit after it runs
     backward; ``None``: :attr:`prefetch` (zero2 gathers nothing then: 0)."""
 
+    late_grad_bytes: int = 0
+    """Part of :attr:`state_bytes` that exists only from this unit's post-backward to the optimizer
+    step: FSDP2's sharded gradients, which Lightning's ``zero_grad(set_to_none=True)`` drops
+    between the forward and the backward (kept through the step when accumulating: 0)."""
+
+    reduce_bytes: int = 0
+    """Its reduce-scatter's input (the unsharded gradients as reduced), which FSDP2 keeps until the
+    next unit's post-backward: alive through the backward of the unit before it."""
+
     @property
     def prefetch(self) -> int:
         return self.transient_bytes if self.prefetch_bytes is None else self.prefetch_bytes
@@ -266,6 +276,13 @@ def build_choice_table(profile: ModelProfile, cluster: ClusterSpec, micro_batch_
     if cluster.world_size == 1:
         allowed = [c for c in allowed if c.kind == REPLICATE.kind] or [REPLICATE]
     allowed = list(dict.fromkeys(allowed))
+    # Every choice's cost holds its unit's activations; the table keeps the rest of the peak
+    # (backward temporaries; negative when the dry run counts part of the saved bytes as fixed).
+    rest = int(profile.activation_bytes * ctx.batch_scale) - sum(ctx.activation_bytes(unit) for unit in profile.units)
+    # NOTE: with every unit's own backward temporaries measured (its rise), the rest is the loss's,
+    # alive at the root's own moments only, as is what the root saved after the last unit.
+    measured = ctx.batch_scale == 1 and all(u.backward_rise_bytes is not None for u in profile.units if u.name != ROOT)
+    at_root = max(rest, 0) if measured else 0
     units = []
     for index, unit in enumerate(profile.units):
         offered = [c for c in allowed if is_allowed(unit, c, ctx)]
@@ -273,18 +290,27 @@ def build_choice_table(profile: ModelProfile, cluster: ClusterSpec, micro_batch_
         # without their modifiers.
         offered = offered or [c for c in dict.fromkeys(c.base for c in allowed) if is_allowed(unit, c, ctx)]
         costs = tuple(choice_cost(unit, choice, ctx) for choice in offered)
+        if unit.name == ROOT:
+            tail = int(unit.tail_activation_bytes * ctx.batch_scale)
+            costs = tuple(_at_root_moments(cost, tail, at_root) for cost in costs)
         units.append(UnitCosts(unit.name, costs, _overlap_s(profile, index, cluster) * ctx.batch_scale,
                                spans_step=unit.interleaved or unit.name == ROOT))
-    # Every choice's cost holds its unit's activations; the table keeps the rest of the peak
-    # (backward temporaries; negative when the dry run counts part of the saved bytes as fixed).
-    per_unit = sum(ctx.activation_bytes(unit) for unit in profile.units)
     return ChoiceTable(
         units=tuple(units),
-        activation_bytes=int(profile.activation_bytes * ctx.batch_scale) - per_unit,
+        activation_bytes=rest - at_root,
         fixed_bytes=profile.fixed_bytes,
         micro_batch_size=batch,
         fixed_step_s=cluster.step_terms.loop_step_s if cluster.step_terms is not None else 0.0,
     )
+
+
+def _at_root_moments(cost: ChoiceCost, tail: int, more: int) -> ChoiceCost:
+    """The root's cost with its ``tail`` activations and ``more`` bytes alive in its own moments
+    (the end of forward, the start of backward) instead of from its forward to its backward."""
+    head = tail + more
+    return dataclasses.replace(cost, activation_bytes=cost.activation_bytes - tail,
+                               transient_bytes=cost.transient_bytes + head,
+                               forward_bytes=None if cost.forward_bytes is None else cost.forward_bytes + head)
 
 
 def _overlap_s(profile: ModelProfile, index: int, cluster: ClusterSpec) -> float:

@@ -101,14 +101,15 @@ def estimate_profile(model: ModelSource, batch: object, *, peak_flops_per_s: flo
         run_loss = step_runner(module, inputs, precision)
         step = run_fake_step(module, specs, run_loss)
         module.zero_grad(set_to_none=True)
-        single = max(sum(step.saved_bytes.values()), activation_peak(module, run_loss))
+        peak, rises = activation_peak(module, run_loss, [*specs, *(part for s in specs for part in s.parts)])
+        single = max(sum(step.saved_bytes.values()), peak)
         doubled = activation_bytes_of(module, specs, step_runner(module, doubled_batch(inputs, micro_batch), precision))
     # NOTE: the cost model scales activations with the micro-batch. Bytes that do not grow with it
     # (autocast's low-precision weight copies, position embeddings) are fixed bytes instead.
     per_batch_bytes = min(max(doubled - single, 0), single)
     seconds_per_flop = 1.0 / (peak_flops_per_s * compute_efficiency)
     elem = trainable[0].element_size()
-    units = _unit_profiles(module, specs, step, seconds_per_flop, elem, tuple(split_factors))
+    units = _unit_profiles(module, specs, step, seconds_per_flop, elem, tuple(split_factors), rises)
     if optimizer_bytes_per_param is None:
         optimizer_bytes_per_param = _optimizer_bytes_per_param(module, trainable[0].dtype)
     return ModelProfile(
@@ -121,7 +122,7 @@ def estimate_profile(model: ModelSource, batch: object, *, peak_flops_per_s: flo
 
 
 def _unit_profiles(module: nn.Module, specs: Sequence[UnitSpec], step: FakeStep, seconds_per_flop: float,
-                   elem: int, split_factors: tuple[int, ...]) -> tuple[UnitProfile, ...]:
+                   elem: int, split_factors: tuple[int, ...], rises: dict[str, int]) -> tuple[UnitProfile, ...]:
     """Units in execution order (never-called units go to the root, as in the measured profile)."""
     by_name = {s.name: s for s in specs}
     called = [by_name[name] for name in step.order if name in by_name]
@@ -144,7 +145,9 @@ def _unit_profiles(module: nn.Module, specs: Sequence[UnitSpec], step: FakeStep,
             module, spec.name, spec.module_names, owned[spec.name],
             forward_s=flops[0] * seconds_per_flop, backward_s=flops[1] * seconds_per_flop,
             activation_bytes=saved, input_bytes=step.input_bytes.get(spec.name, 0), split_overhead_s=overheads,
-            interleaved=spec.name in step.interleaved))
+            interleaved=spec.name in step.interleaved,
+            backward_rise_bytes=rises.get(spec.name),
+            tail_activation_bytes=step.root_tail_bytes if spec.name == ROOT else 0))
     return tuple(units)
 
 

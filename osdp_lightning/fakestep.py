@@ -176,6 +176,7 @@ class FakeStep:
     forward_flops: dict[str, int]
     backward_flops: dict[str, int]
     interleaved: frozenset[str] = frozenset()
+    root_tail_bytes: int = 0
 
 
 def run_fake_step(module: nn.Module, specs: Sequence[UnitSpec], run_loss: Callable[[], torch.Tensor]) -> FakeStep:
@@ -190,7 +191,7 @@ def run_fake_step(module: nn.Module, specs: Sequence[UnitSpec], run_loss: Callab
                 loss.backward()
     forward = _unit_flops(module, specs, forward_counts)
     return FakeStep(recorder.order, recorder.saved_bytes, recorder.input_bytes, recorder.output_numel, forward,
-                    backward.flops, frozenset(recorder.interleaved))
+                    backward.flops, frozenset(recorder.interleaved), recorder.root_tail_bytes)
 
 
 class _BackwardFlops:
@@ -282,9 +283,10 @@ class _LiveBytes(TorchDispatchMode):
     """Bytes of the tensors a step creates, apart from parameter gradients once accumulated, at the
     moment the step's memory (those bytes plus the gradients) peaks.
 
-    The quantity :func:`osdp_lightning.profile.measureactivation_peak` reads from MemTracker's
+    The quantity :func:`osdp_lightning.profile.measure_activation_peak` reads from MemTracker's
     peak snapshot (activations, temporaries, inputs), without MemTracker's per-module snapshots,
-    which take tens of seconds on a 1.5B-parameter model.
+    which take tens of seconds on a 1.5B-parameter model; and, per unit whose backward it is told
+    of, the most bytes that backward added above its start (MemTracker's ``PEAK_BW - PRE_BW``).
     """
 
     def __init__(self, existing: set[int]) -> None:
@@ -293,6 +295,19 @@ class _LiveBytes(TorchDispatchMode):
         """Storage keys that are not the step's (parameters, buffers: views of them cost nothing)."""
         self.live: dict[int, int] = {}
         self.current = self.grads = self.peak_total = self.at_peak = 0
+        self.open: dict[str, tuple[int, int]] = {}
+        """Units in backward: the total at its start and the most since."""
+        self.rises: dict[str, int] = {}
+
+    def backward_started(self, name: str) -> None:
+        if name not in self.open:  # NOTE: a tied unit's second module starts inside its open backward
+            total = self.current + self.grads
+            self.open[name] = (total, total)
+
+    def backward_ended(self, name: str) -> None:
+        if name in self.open:
+            start, most = self.open.pop(name)
+            self.rises[name] = max(self.rises.get(name, 0), most - start)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
@@ -318,26 +333,66 @@ class _LiveBytes(TorchDispatchMode):
         self._update_peak()
 
     def _update_peak(self) -> None:
-        if self.current + self.grads >= self.peak_total:
-            self.peak_total, self.at_peak = self.current + self.grads, self.current
+        total = self.current + self.grads
+        if total >= self.peak_total:
+            self.peak_total, self.at_peak = total, self.current
+        for name, (start, most) in self.open.items():
+            if total > most:
+                self.open[name] = (start, total)
 
 
-def activation_peak(module: nn.Module, run_loss: Callable[[], torch.Tensor]) -> int:
+def activation_peak(module: nn.Module, run_loss: Callable[[], torch.Tensor], specs: Sequence[UnitSpec] = ()
+                    ) -> tuple[int, dict[str, int]]:
     """Bytes of one fake forward+backward that are neither parameters nor gradients at the step's
-    peak, less the largest gradient (the one in flight), as the measured profile counts them."""
+    peak, less the largest gradient (the one in flight), as the measured profile counts them; and
+    per unit of ``specs`` the most bytes its backward added above what was alive when it started."""
+    with preserved_rng(), _logging_disabled(module):
+        tracker = _tracked_step(module, run_loss, specs)
+    largest_grad = max((p.numel() * p.element_size() for p in module.parameters() if p.requires_grad), default=0)
+    return max(tracker.at_peak - largest_grad, 0), tracker.rises
+
+
+def _tracked_step(module: nn.Module, run_loss: Callable[[], torch.Tensor], specs: Sequence[UnitSpec]) -> _LiveBytes:
+    """One forward+backward under :class:`_LiveBytes`, with each unit's backward marked by torch's
+    module tracker; the gradients are dropped afterwards."""
+    from torch.distributed._tools.mod_tracker import ModTracker
+
     tracker = _LiveBytes({storage_key(t) for t in [*module.parameters(), *module.buffers()]})
-    params = [p for p in module.parameters() if p.requires_grad]
-    handles = [p.register_post_accumulate_grad_hook(lambda p: tracker.mark_gradient(storage_key(p.grad)))
-               for p in params]
+    names = {id(module.get_submodule(m)): spec.name for spec in specs if spec.name != ROOT for m in spec.module_names}
+    # NOTE: a unit's backward ends with its last parameter's gradient, as the profiler times it; torch's
+    # module tracker ends it when every input's gradient is complete, which an input many units share
+    # (T5's position bias) is only at the end of the step, and before the gradients of its first layer.
+    pending = {spec.name: {id(p) for m in spec.module_names for p in module.get_submodule(m).parameters()
+                           if p.requires_grad} for spec in specs if spec.name != ROOT}
+
+    def accumulated(param: torch.Tensor) -> None:
+        tracker.mark_gradient(storage_key(param.grad))
+        for name, waiting in pending.items():
+            if id(param) in waiting:
+                waiting.discard(id(param))
+                if not waiting:
+                    tracker.backward_ended(name)
+
+    handles = [p.register_post_accumulate_grad_hook(accumulated) for p in module.parameters() if p.requires_grad]
+
+    def marker(mark: Callable[[str], None]) -> Callable[[nn.Module | None, object], None]:
+        def hook(mod: nn.Module | None, _grads: object) -> None:
+            if mod is not None and id(mod) in names:
+                mark(names[id(mod)])
+        return hook
+
+    modules = ModTracker()  # NOTE: torch's own per-module backward start, as MemTracker uses it
+    modules.register_user_hooks(pre_bw_hook=marker(tracker.backward_started))
     try:
-        with preserved_rng(), _logging_disabled(module), tracker:
+        with tracker, modules:
             run_loss().backward()
     finally:
         for handle in handles:
             handle.remove()
+    for name in list(tracker.open):  # units without trainable parameters end with the step
+        tracker.backward_ended(name)
     module.zero_grad(set_to_none=True)
-    largest_grad = max((p.numel() * p.element_size() for p in params), default=0)
-    return max(tracker.at_peak - largest_grad, 0)
+    return tracker
 
 
 def activation_bytes_of(module: nn.Module, specs: Sequence[UnitSpec], run_loss: Callable[[], torch.Tensor]) -> int:
@@ -346,7 +401,7 @@ def activation_bytes_of(module: nn.Module, specs: Sequence[UnitSpec], run_loss: 
     recorder = StepRecorder(module, specs)
     with preserved_rng(), _logging_disabled(module), recorder.installed():
         run_loss()
-    return max(sum(recorder.saved_bytes.values()), activation_peak(module, run_loss))
+    return max(sum(recorder.saved_bytes.values()), activation_peak(module, run_loss)[0])
 
 
 def doubled_batch(batch: object, micro_batch: int) -> object:

@@ -410,9 +410,10 @@ def uniform_baselines(table: ChoiceTable, cluster: ClusterSpec) -> tuple[Baselin
 
 def baseline_peak_bytes(profile: ModelProfile, cluster: ClusterSpec, choice: Choice | str) -> int:
     """Predicted peak per rank of the uniform ``choice`` plan at the profiled micro-batch size
-    (what a budget such as ``"95%ddp"`` is a share of)."""
-    return _uniform_plan(build_choice_table(profile, cluster, profile.micro_batch_size, choices=(choice, REPLICATE)),
-                         profile, cluster, str(resolve(str(choice)))).predicted_peak_bytes
+    (what a budget such as ``"95%ddp"`` is a share of): the plan the baselines are (the faster
+    of the unit sets with and without the root's folds)."""
+    return make_plan(profile, cluster, uniform_choice=choice, micro_batch_sizes=(profile.micro_batch_size,)
+                     ).predicted_peak_bytes
 
 
 def _has_module(model: nn.Module, name: str) -> bool:

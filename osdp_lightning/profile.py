@@ -58,6 +58,13 @@ class UnitProfile:
     """Its forward runs again after another unit's started (tied embedding and head): its
     activations and held bytes may be alive at any moment of the step, not only between its
     place in the execution order and its backward."""
+    backward_rise_bytes: int | None = None
+    """Most bytes its backward added at once above what was alive when it started, unsharded:
+    its gradients and temporaries less the saved activations it had freed by then (measured
+    with the profiled micro-batch); ``None``: not measured (priced as its whole gradients)."""
+    tail_activation_bytes: int = 0
+    """Of :attr:`activation_bytes`, those saved after the last unit's forward (the root's: the
+    loss's), which backward frees before any unit's backward starts."""
     part_of: str = ""
     """The block this unit is a part of (``''``: a unit of its own: a block, an embedding, the root)."""
 
@@ -101,6 +108,7 @@ class _StepSample:
     order: list[str]
     step_s: float
     interleaved: frozenset[str] = frozenset()
+    root_tail_bytes: int = 0
 
 
 def _measure_step(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[], torch.Tensor],
@@ -128,7 +136,7 @@ def _measure_step(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
     forward_s = dict(rec.forward_s)
     forward_s[ROOT] = max(forward_end - start - sum(rec.forward_s.values()), 0.0)
     return _StepSample(forward_s, backward_s, dict(rec.saved_bytes), dict(rec.input_bytes), rec.order, end - start,
-                       frozenset(rec.interleaved))
+                       frozenset(rec.interleaved), rec.root_tail_bytes)
 
 
 def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[], torch.Tensor],
@@ -150,15 +158,16 @@ def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
         for _ in range(repeats):
             samples.append(_measure_step(root, nested, run_loss, device))
             root.zero_grad(set_to_none=True)
-        peak_bytes = measure_activation_peak(root, run_loss, device)
+        peak_bytes, rises = measure_activation_peak(root, run_loss, device)
         root.zero_grad(set_to_none=True)
     first = samples[0]
     by_name = {s.name: s for s in nested}
     owned = owned_params(root, nested)
-    own = {n: _unit_profile(n, by_name[n].module_names, owned[n], root, samples) for n in first.order if n in by_name}
+    own = {n: _unit_profile(n, by_name[n].module_names, owned[n], root, samples, rises) for n in first.order
+           if n in by_name}
     units = [_with_measured_parts(own[s.name], [own[p.name] for p in s.parts if p.name in own], first.order)
              for s in sorted((s for s in specs if s.name in own), key=lambda s: first.order.index(s.name))]
-    units.append(_unit_profile(ROOT, (ROOT,), owned[ROOT], root, samples))
+    units.append(_unit_profile(ROOT, (ROOT,), owned[ROOT], root, samples, {}))
     activation_bytes = max(sum(first.saved_bytes.values()), peak_bytes)
     return units, activation_bytes, statistics.median(s.step_s for s in samples)
 
@@ -232,8 +241,35 @@ class _NoHook:
         pass
 
 
-def measure_activation_peak(root: nn.Module, run_loss: Callable[[], torch.Tensor], device: torch.device) -> int:
-    """Peak bytes of one forward+backward that are neither parameters nor gradients.
+_MODULE_STATES = {"PRE_FW": "forward_start", "BEF_PRE_FW": "forward_start", "PEAK_FW": "forward_peak",
+                  "PRE_BW": "backward_start", "BEF_PRE_BW": "backward_start", "PEAK_BW": "backward_peak",
+                  "POST_FW_AC": "recomputed"}
+"""Tracker states kept per module, by state name: ``MemTracker``'s ``_ModState`` and
+``FSDPMemTracker``'s ``_FSDPModState`` (whose starts are before FSDP2's pre-hooks)."""
+
+
+def module_snapshots(tracker: object) -> dict[str, dict[str, int]]:
+    """Bytes of this rank at each state of :data:`_MODULE_STATES` per module a CPU tracker
+    followed (the largest, for a module that ran twice), by name relative to the tracked model
+    (``""``: the model itself); ``{}`` for the CUDA allocator, which keeps no such record."""
+    tracking = getattr(tracker, "memory_tracking", None)
+    # NOTE: the trackers name the tracked model by its class
+    return {stat.mod_fqn.partition(".")[2]: _state_bytes(stat) for stat in tracking.values()} if tracking else {}
+
+
+def _state_bytes(stat: object) -> dict[str, int]:
+    """One module's tracker record as bytes per state label of :data:`_MODULE_STATES`."""
+    return {label: max(sum(dev.get("Total", 0) for dev in snap.values()) for snap in snaps)
+            for state, snaps in stat.snapshots.items()
+            if snaps and (label := _MODULE_STATES.get(getattr(state, "name", "")))}
+
+
+def measure_activation_peak(root: nn.Module, run_loss: Callable[[], torch.Tensor], device: torch.device
+                            ) -> tuple[int, dict[str, int]]:
+    """Peak bytes of one forward+backward that are neither parameters nor gradients, and per module
+    (by qualified name) the most bytes its backward added above what was alive when it started
+    (MemTracker's ``PEAK_BW - PRE_BW``, the accounting of the trackers that measure training;
+    ``{}`` on CUDA, whose allocator keeps no per-module record).
 
     Saved-for-backward bytes miss the temporaries of backward (the gradient of the logits, of
     softmax, ...), which can exceed the parameters of a small model. PyTorch's own trackers see
@@ -246,7 +282,7 @@ def measure_activation_peak(root: nn.Module, run_loss: Callable[[], torch.Tensor
         torch.cuda.reset_peak_memory_stats(device)
         run_loss().backward()
         torch.cuda.synchronize(device)
-        return max(torch.cuda.max_memory_allocated(device) - before - grad_bytes, 0)
+        return max(torch.cuda.max_memory_allocated(device) - before - grad_bytes, 0), {}
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
@@ -263,17 +299,24 @@ def measure_activation_peak(root: nn.Module, run_loss: Callable[[], torch.Tensor
     # NOTE: TEMP includes the weight gradient autograd is producing at that moment; the cost model
     # already counts each unit's unsharded gradient, so one (the largest) is taken back out.
     largest_grad = max((p.numel() * p.element_size() for p in root.parameters() if p.requires_grad), default=0)
-    return max(active - largest_grad, 0)
+    # NOTE: by module, not by the tracker's names (relative to the first module it saw run)
+    names = {id(module): name for name, module in root.named_modules()}
+    rises = {names[id(module)]: states["backward_peak"] - states["backward_start"]
+             for module, stat in tracker.memory_tracking.items() if id(module) in names
+             and {"backward_peak", "backward_start"} <= (states := _state_bytes(stat)).keys()}
+    return max(active - largest_grad, 0), rises
 
 
 def _unit_profile(name: str, module_names: tuple[str, ...], params: list[nn.Parameter], root: nn.Module,
-                  samples: list[_StepSample]) -> UnitProfile:
+                  samples: list[_StepSample], rises: dict[str, int]) -> UnitProfile:
+    measured = [rises[m] for m in module_names if m in rises]  # by module name
     return assemble_unit(
         root, name, module_names, params,
         forward_s=statistics.median(s.forward_s.get(name, 0.0) for s in samples),
         backward_s=statistics.median(s.backward_s.get(name, 0.0) for s in samples),
         activation_bytes=samples[0].saved_bytes.get(name, 0), input_bytes=samples[0].input_bytes.get(name, 0),
-        interleaved=name in samples[0].interleaved)
+        interleaved=name in samples[0].interleaved, backward_rise_bytes=max(measured) if measured else None,
+        tail_activation_bytes=samples[0].root_tail_bytes if name == ROOT else 0)
 
 
 def linear_shape_of(root: nn.Module, name: str, module_names: tuple[str, ...]) -> tuple[int, int] | None:
@@ -284,7 +327,8 @@ def linear_shape_of(root: nn.Module, name: str, module_names: tuple[str, ...]) -
 
 def assemble_unit(root: nn.Module, name: str, module_names: tuple[str, ...], params: list[nn.Parameter], *,
                   forward_s: float, backward_s: float, activation_bytes: int, input_bytes: int,
-                  split_overhead_s: tuple[tuple[int, float], ...] = (), interleaved: bool = False) -> UnitProfile:
+                  split_overhead_s: tuple[tuple[int, float], ...] = (), interleaved: bool = False,
+                  backward_rise_bytes: int | None = None, tail_activation_bytes: int = 0) -> UnitProfile:
     """One unit's profile from its parameters and its figures (measured or estimated)."""
     return UnitProfile(
         name=name, module_names=module_names,
@@ -294,7 +338,7 @@ def assemble_unit(root: nn.Module, name: str, module_names: tuple[str, ...], par
         linear_shape=linear_shape_of(root, name, module_names), split_overhead_s=split_overhead_s,
         tensor_count=sum(1 for p in params if p.requires_grad),
         largest_tensor_count=max((p.numel() for p in params if p.requires_grad), default=0),
-        interleaved=interleaved)
+        interleaved=interleaved, backward_rise_bytes=backward_rise_bytes, tail_activation_bytes=tail_activation_bytes)
 
 
 @contextlib.contextmanager

@@ -50,6 +50,8 @@ class StepRecorder:
         self.forward_s: dict[str, float] = {}
         self.grad_done_t: dict[str, float] = {}
         self.saved_bytes: dict[str, int] = {s.name: 0 for s in self.specs} | {ROOT: 0}
+        self.root_tail_bytes = 0
+        """Of the root's saved bytes, those saved after the last unit's forward (the loss's)."""
         self.input_bytes: dict[str, int] = {}
         self.output_numel: dict[str, int] = {}
         self._stack: list[list] = []  # [unit, start, seconds of units nested in it]
@@ -93,6 +95,8 @@ class StepRecorder:
     def _post(self, name: str) -> Callable:
         def hook(_mod: nn.Module, _args: object, out: object) -> None:
             unit, start, nested_s = self._stack.pop()
+            if not self._stack:
+                self.root_tail_bytes = 0  # what the root saved so far came before a unit
             elapsed = self.clock() - start
             self.forward_s[unit] = self.forward_s.get(unit, 0.0) + elapsed - nested_s
             if self._stack:
@@ -111,6 +115,7 @@ class StepRecorder:
         if key not in self._param_keys and key not in self._seen:
             self._seen.add(key)
             self.saved_bytes[self._stack[-1][0] if self._stack else ROOT] += storage_of(tensor).nbytes()
+            self.root_tail_bytes += 0 if self._stack else storage_of(tensor).nbytes()
         return tensor
 
     def _tensor_bytes(self, obj: object) -> int:

@@ -70,9 +70,10 @@ _SLACK_RELATIVE = 1e-9
 _MAX_CUTS = 20
 _TIGHTEN_TRIES = 8
 _MAX_DP_CELLS = 5 * 10**8
-_FORWARD, _BEFORE, _AFTER = "f", "b", "a"
+_FORWARD, _BEFORE, _AFTER, _REDUCE = "f", "b", "a", "r"
 """Tags of the carry variables (``Cf_u``: forward buffers from before; ``Cb_u`` / ``Ca_u``: backward
-gathers from before / after): the solver's seed sets them by name."""
+gathers from before / after; ``Cr_u``: the reduce-scatter input from after): the solver's seed sets
+them by name."""
 _WARM_DP_CELLS = 4096
 """Memory cells per unit of the knapsack run that seeds the solver (coarse: it only has to fit)."""
 
@@ -119,13 +120,31 @@ def _carried(prefetches: list[int], through: bool = True) -> list[int]:
 _SIZES: dict[str, Callable[[ChoiceCost], int]] = {
     "live": lambda c: c.live_bytes, "forward": lambda c: c.forward_peak_bytes,
     "transient": lambda c: c.transient_bytes, "prefetch": lambda c: c.prefetch,
-    "backward": lambda c: c.backward_prefetch}
+    "backward": lambda c: c.backward_prefetch, "late": lambda c: c.late_grad_bytes,
+    "reduce": lambda c: c.reduce_bytes}
 """The parts of a choice's memory the moment rows read (:func:`_moment_peak`)."""
 
 
 def _parts_of(costs: list[ChoiceCost]) -> tuple[list[int], ...]:
-    """Each part of :data:`_SIZES` (live, forward, transient, prefetch, backward), unit by unit."""
+    """Each part of :data:`_SIZES` (live, forward, transient, prefetch, backward, late, reduce),
+    unit by unit."""
     return tuple([size(c) for c in costs] for size in _SIZES.values())
+
+
+def _reduced_after(reduce: list[int], spans: list[bool], through: bool = True) -> list[int]:
+    """Per unit, the reduce-scatter input alive at its backward: FSDP2 keeps that of the nearest unit
+    after it that reduce-scatters until the next post-backward (units that span the step reduce at
+    its end, after every other unit's backward). Priced as the largest of the units after it (an
+    upper bound, exact for identical blocks, and linear without big-M rows); ``through=False``:
+    the next unit's own (a lower bound)."""
+    sizes = [0 if spanning else r for r, spanning in zip(reduce, spans, strict=True)]
+    if not through:
+        return [*sizes[1:], 0]
+    after, largest = [], 0
+    for size in reversed(sizes):
+        after.append(largest)
+        largest = max(largest, size)
+    return after[::-1]
 
 
 def _moment_peak(parts: tuple[list[int], ...], spans: list[bool], through: bool = True) -> int:
@@ -134,9 +153,13 @@ def _moment_peak(parts: tuple[list[int], ...], spans: list[bool], through: bool 
     At unit ``u``'s forward: the live bytes (held parameters, activations) of the units before it,
     its own forward bytes and the buffer of the nearest unit before it that all-gathers; at its
     backward: the live bytes up to it and its transient beside that buffer or the one of the
-    nearest unit after it. Units after ``u`` have not run yet (forward) or are through backward
-    (backward). A unit that ``spans`` the step counts in every moment, and its own moments count
-    every unit. ``parts``: the lists of :func:`_parts_of` (bounds pass each unit's least).
+    nearest unit after it, plus the reduce-scatter input of the nearest unit after it that reduces,
+    less the sharded gradients (``late``) of the units up to it and of those spanning the step:
+    not made yet, as Lightning sets the gradients to ``None`` between forward and backward. Units
+    after ``u`` have not run yet (forward) or are through backward (backward). A unit that
+    ``spans`` the step counts in every moment, and its own moments count every unit (alive only
+    before the first reduce-scatter: none is added) and give back nothing. ``parts``: the lists of :func:`_parts_of` (bounds pass each unit's least, the most
+    ``late``).
 
     FSDP2 keeps the last forward all-gather's buffer until the next one (``prefetch``) and
     prefetches the next all-gather in backward (``backward_prefetch``; zero2 gathers nothing
@@ -149,27 +172,32 @@ def _moment_peak(parts: tuple[list[int], ...], spans: list[bool], through: bool 
 
 def _moments(parts: tuple[list[int], ...], spans: list[bool], through: bool = True) -> list[tuple[int, int]]:
     """Each unit's forward and backward moment of :func:`_moment_peak`, besides the state."""
-    live, forward, transients, prefetches, backward = parts
+    live, forward, transients, prefetches, backward, late, reduce = parts
     buffer = [0, *_carried(prefetches, through)[:-1]]
     before = [0, *_carried(backward, through)[:-1]]
     after = [*_carried(backward[::-1], through)[::-1][1:], 0]
+    reduced = _reduced_after(reduce, spans, through)
     total = sum(live)
     below = sum(b for b, spanning in zip(live, spans, strict=True) if spanning)
+    absent = sum(g for g, spanning in zip(late, spans, strict=True) if spanning)  # NOTE: reduced last
     moments = []
     for u, spanning in enumerate(spans):
         upto = total if spanning else below + live[u]
+        absent = absent if spanning else absent + late[u]
         moments.append(((total if spanning else below) + forward[u] + buffer[u],
-                        upto + transients[u] + max(before[u], after[u])))
+                        upto + transients[u] + max(before[u], after[u]) + (0 if spanning else reduced[u] - absent)))
         below = below if spanning else upto
     return moments
 
 
-def _transient_ceiling(transients: list[int], prefetches: list[int]) -> int:
-    """Bytes no plan's transient peak exceeds when each unit's transient and prefetch are at most these."""
+def _transient_ceiling(transients: list[int], prefetches: list[int], reduces: Sequence[int] = ()) -> int:
+    """Bytes no plan's transient peak exceeds when each unit's transient, prefetch and reduce-scatter
+    input are at most these (the largest input beside any unit: an upper bound)."""
+    reduce = max(reduces, default=0)
     if len(transients) < 2:
-        return max(transients, default=0)
+        return max(transients, default=0) + reduce
     top = sorted(range(len(prefetches)), key=prefetches.__getitem__)[-2:]  # the two largest prefetches
-    return max(t + prefetches[top[-1] if top[-1] != u else top[0]] for u, t in enumerate(transients))
+    return max(t + prefetches[top[-1] if top[-1] != u else top[0]] for u, t in enumerate(transients)) + reduce
 
 
 def peak_bytes(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> int:
@@ -225,12 +253,14 @@ def _candidates(unit: UnitCosts) -> list[ChoiceCost]:
 
 
 def _memory_key(cost: ChoiceCost) -> tuple[int, ...]:
-    """State, live, forward, transient, prefetch and backward prefetch bytes, and whether it gathers
-    nothing in forward / in backward."""
+    """State, live, forward, transient, prefetch and backward prefetch bytes, whether it gathers
+    nothing in forward / in backward, the sharded gradients it gives back (more is better), its
+    reduce-scatter input and whether it reduces nothing."""
     # NOTE: the peak grows with each of these (_moment_peak). Gathering nothing (prefetch 0) lets a
     # farther unit's buffer through: worse in that respect than gathering a little, a key of its own.
     return (cost.state_bytes, cost.live_bytes, cost.forward_peak_bytes, cost.transient_bytes, cost.prefetch,
-            cost.backward_prefetch, int(cost.prefetch == 0), int(cost.backward_prefetch == 0))
+            cost.backward_prefetch, int(cost.prefetch == 0), int(cost.backward_prefetch == 0),
+            -cost.late_grad_bytes, cost.reduce_bytes, int(cost.reduce_bytes == 0))
 
 
 @dataclass(frozen=True)
@@ -288,8 +318,8 @@ def _build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> 
     scale = _memory_scale(table)
     problem = pulp.LpProblem("osdp", pulp.LpMinimize)
     peak_t = _new_variable(problem, "T", pulp.LpContinuous)
-    variables, kept_terms, lives = [], [], []
-    sizes: dict[str, list[_Level]] = {key: [] for key in _SIZES if key != "live"}
+    variables, kept_terms, lives, lates = [], [], [], []
+    sizes: dict[str, list[_Level]] = {key: [] for key in _SIZES if key not in ("live", "late")}
     offset = table.activation_bytes + table.fixed_bytes
     kept: dict[tuple, list[ChoiceCost]] = {}  # identical units (same costs) are pruned once
     for u, unit in enumerate(table.units):
@@ -307,19 +337,24 @@ def _build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> 
             offset += least
             kept_terms += terms
         lives.append((-least, terms))  # the live bytes, to give back
+        least, terms = _differences(pairs, _SIZES["late"], scale, 1.0)
+        lates.append((-least, terms))  # the sharded gradients, given back in backward
         for name in sizes:
             sizes[name].append(_differences(pairs, _SIZES[name], scale, -1.0))
     levels, suffix_vars = _absent_levels(problem, table, lives)
-    carries = _peak_rows(problem, peak_t, variables, levels, sizes, scale, carry)
+    gone, prefix_vars = _late_levels(problem, table, lates)
+    levels = [(below, upto, late) for (below, upto), late in zip(levels, gone, strict=True)]
+    spans = [unit.spans_step for unit in table.units]
+    carries = _peak_rows(problem, peak_t, variables, levels, sizes, scale, carry, spans)
     forbidden = _order_rows(problem, table, variables, carry) if prune else {}
     memory = _summed([*kept_terms, (peak_t, 1.0)])
     largest = [[max(map(size, (c for c, _ in pairs))) for pairs in variables] for size in (
-        _moment_bytes, _buffer_bytes)]
+        _moment_bytes, _buffer_bytes, _SIZES["reduce"])]
     max_peak = (offset + round(sum(coef for _, coef in kept_terms) * scale)
-                + _transient_ceiling(largest[0], largest[1]))
+                + _transient_ceiling(*largest))
     memory_row = memory <= (max_peak + 1 - offset) / scale  # constrains nothing until a budget is set
     problem += memory_row, "memory"
-    columns = (peak_t, *suffix_vars, *carries, *(x for pairs in variables for _, x in pairs))
+    columns = (peak_t, *suffix_vars, *prefix_vars, *carries, *(x for pairs in variables for _, x in pairs))
     return _Model(problem, tuple(variables), memory, memory_row, offset, max_peak, scale,
                   _objective_unit_s(table), forbidden, columns)
 
@@ -374,29 +409,60 @@ def _absent_levels(problem: pulp.LpProblem, table: ChoiceTable, lives: list[_Lev
     return absent, created[::-1]
 
 
+def _late_levels(problem: pulp.LpProblem, table: ChoiceTable, lates: list[_Level]
+                 ) -> tuple[list[_Level], list[pulp.LpVariable]]:
+    """Per unit, the sharded gradients *not* made yet at its backward (see :func:`_moments`): its
+    own, those of the units before it and of the units that span the step (``lates``: each unit's
+    as ``(-constant, [(variable, +coefficient)])``; none for a unit that spans the step), and the
+    prefix variables: ``P[u] <= late[prev] + P[prev]``. Exact, as the suffix variables are."""
+    gone: list[_Level] = [(0, [])] * len(table.units)
+    before: _Level = (0, [])
+    created: list[pulp.LpVariable] = []
+    spanning = [u for u, unit in enumerate(table.units) if unit.spans_step]
+    given_back = [u for u, unit in enumerate(table.units) if not unit.spans_step]
+    for u in spanning:  # NOTE: spanning units reduce at the step's end: absent in every other backward
+        before = (lates[u][0] + before[0], lates[u][1] + before[1])
+    for u in given_back:
+        gone[u] = (lates[u][0] + before[0], lates[u][1] + before[1])
+        if u == given_back[-1] or not gone[u][1]:  # no unit after reads it / nothing varies: a constant
+            before = (gone[u][0], gone[u][1])
+            continue
+        prefix = _new_variable(problem, f"P_{u}", pulp.LpContinuous)
+        created.append(prefix)
+        problem.addConstraint(_summed([(prefix, -1.0), *gone[u][1]]) >= 0, f"prefix_{u}")
+        before = (gone[u][0], [(prefix, 1.0)])
+    return gone, created
+
+
 def _peak_rows(problem: pulp.LpProblem, peak_t: pulp.LpVariable, variables: list, levels: list,
-               sizes: dict[str, list[_Level]], scale: int, carry: bool) -> list[pulp.LpVariable]:
+               sizes: dict[str, list[_Level]], scale: int, carry: bool, spans: list[bool]) -> list[pulp.LpVariable]:
     """``T >=`` each unit's forward moment (its forward bytes, the forward buffer before it, less
     the live bytes not alive there) and backward moment (its transient, the backward gather beside
-    it on either side, less the same), buffers carried from the nearest unit that gathers
-    (``carry``) or its neighbour's own; the carry variables. ``T`` is the peak less every unit's
-    live bytes, which the memory row counts."""
+    it on either side and the reduce-scatter input after it, less the same and the sharded
+    gradients not made yet), buffers carried from the nearest unit that gathers (``carry``) or its
+    neighbour's own; the carry variables. ``T`` is the peak less every unit's live bytes, which
+    the memory row counts."""
+    reduce = [(0, []) if spanning else level for level, spanning in zip(sizes["reduce"], spans, strict=True)]
     if carry:
         chains = {tag: _carry_variables(problem, variables, sizes[size], _SIZES[size], scale, tag, reverse)
                   for tag, size, reverse in ((_FORWARD, "prefetch", False), (_BEFORE, "backward", False),
                                              (_AFTER, "backward", True))}
+        chains[_REDUCE] = _suffix_max_variables(problem, reduce, scale, _REDUCE)
         carried = {tag: [(0, [(c, -1.0)]) for c in chain] for tag, chain in chains.items()}
     else:
-        chains, carried = {}, {_FORWARD: sizes["prefetch"], _BEFORE: sizes["backward"], _AFTER: sizes["backward"]}
+        chains, carried = {}, {_FORWARD: sizes["prefetch"], _BEFORE: sizes["backward"], _AFTER: sizes["backward"],
+                               _REDUCE: reduce}
     empty: _Level = (0, [])
-    for u, (below, upto) in enumerate(levels):  # NOTE: what is not alive at the forward / backward
+    for u, (below, upto, late) in enumerate(levels):  # NOTE: what is not alive at the forward / backward
         sides = [(tag, carried[tag][u + step]) for tag, step in ((_BEFORE, -1), (_AFTER, 1))
                  if 0 <= u + step < len(levels)] or [("single", empty)]
-        moments = [("w", below, sizes["forward"][u], carried[_FORWARD][u - 1] if u else empty),
-                   *((tag, upto, sizes["transient"][u], side) for tag, side in sides)]
-        for tag, live, own, side in moments:
-            row = _summed([(peak_t, 1.0), *live[1], *own[1], *side[1]])
-            problem += row >= (live[0] + own[0] + side[0]) / scale, f"pair_{tag}{u}"
+        reduced = carried[_REDUCE][u + 1] if u + 1 < len(levels) and not spans[u] else empty
+        moments = [("w", (below,), sizes["forward"][u], carried[_FORWARD][u - 1] if u else empty),
+                   *((tag, (upto, late, reduced), sizes["transient"][u], side) for tag, side in sides)]
+        for tag, parts, own, side in moments:
+            parts = (*parts, own, side)
+            row = _summed([(peak_t, 1.0), *(term for part in parts for term in part[1])])
+            problem += row >= sum(part[0] for part in parts) / scale, f"pair_{tag}{u}"
     return [c for chain in chains.values() for c in chain]
 
 
@@ -409,6 +475,21 @@ def _summed(terms: list[tuple[pulp.LpVariable, float]]) -> pulp.LpAffineExpressi
     for var, coef in terms:
         summed.setdefault(var.name, [var, 0.0])[1] += coef
     return pulp.LpAffineExpression([(var, coef) for var, coef in summed.values() if coef])
+
+
+def _suffix_max_variables(problem: pulp.LpProblem, sizes: list[_Level], scale: int, tag: str
+                          ) -> list[pulp.LpVariable]:
+    """Per unit, ``M[u]``: the largest ``sizes`` from ``u`` on: ``M[u] >= size[u]``, ``M[u] >= M[u+1]``.
+    Exact: the least ``M`` these allow is that maximum, and a larger one only raises ``T``."""
+    maxima: list[pulp.LpVariable] = []
+    for u in range(len(sizes) - 1, -1, -1):
+        largest = _new_variable(problem, f"C{tag}_{u}", pulp.LpContinuous)
+        least, terms = sizes[u]
+        problem += pulp.LpAffineExpression([(largest, 1.0), *terms]) >= least / scale, f"own_{tag}{u}"
+        if maxima:
+            problem += pulp.LpAffineExpression([(largest, 1.0), (maxima[-1], -1.0)]) >= 0, f"max_{tag}{u}"
+        maxima.append(largest)
+    return maxima[::-1]
 
 
 def _carry_variables(problem: pulp.LpProblem, variables: list, buffers: list[_Level],
@@ -616,8 +697,9 @@ def step_lower_bound(table: ChoiceTable) -> float:
 
 def peak_lower_bound(table: ChoiceTable) -> int:
     """Bytes per rank below every plan's peak: each unit's least state, live, forward, transient,
-    prefetch and backward prefetch bytes."""
-    parts = tuple([min(map(size, unit.choices)) for unit in table.units] for size in _SIZES.values())
+    prefetch, backward prefetch and reduce-scatter bytes, and its most sharded gradients given back."""
+    parts = tuple([(max if name == "late" else min)(map(size, unit.choices)) for unit in table.units]
+                  for name, size in _SIZES.items())
     # Neighbours only: with each unit's least prefetch, a carried buffer could be one no plan has.
     moments = _moment_peak(parts, [unit.spans_step for unit in table.units], through=False)
     return sum(min(c.state_bytes for c in unit.choices) for unit in table.units) + moments + table.activation_bytes + table.fixed_bytes
@@ -663,9 +745,17 @@ def _seed(table: ChoiceTable, model: _Model, choices: Sequence[str]) -> tuple[tu
     for u in range(len(costs) - 1, -1, -1):
         if not spans[u]:
             suffix = values[f"S_{u}"] = suffix + (costs[u].live_bytes - min(c.live_bytes for c, _ in model.variables[u])) / model.scale
+    prefix = 0.0
+    for u in sorted(range(len(costs)), key=lambda v: (not spans[v], v)):  # spanning units first
+        prefix += (costs[u].late_grad_bytes - min(c.late_grad_bytes for c, _ in model.variables[u])) / model.scale
+        if not spans[u]:
+            values[f"P_{u}"] = prefix  # NOTE: names of variables the model did not create are ignored
     prefetches, backward = [c.prefetch for c in costs], [c.backward_prefetch for c in costs]
+    reduce = [c.reduce_bytes for c in costs]
+    largest = [max(0 if spanning else r, after)  # NOTE: Cr_u is the largest from u on
+               for r, after, spanning in zip(reduce, _reduced_after(reduce, spans), spans, strict=True)]
     for tag, carried in ((_FORWARD, _carried(prefetches)), (_BEFORE, _carried(backward)),
-                         (_AFTER, _carried(backward[::-1])[::-1])):
+                         (_AFTER, _carried(backward[::-1])[::-1]), (_REDUCE, largest)):
         values.update({f"C{tag}_{u}": held / model.scale for u, held in enumerate(carried)})
     return tuple(choices), values
 
@@ -742,7 +832,8 @@ def knapsack_dp(table: ChoiceTable, budget_bytes: int, resolution_bytes: int = 2
     units = table.units
     worst = [max(map(_moment_bytes, unit.choices)) for unit in units]
     worst_prefetch = [max(map(_buffer_bytes, unit.choices)) for unit in units]
-    reserve = _transient_ceiling(worst, worst_prefetch) + table.activation_bytes + table.fixed_bytes
+    worst_reduce = [max(c.reduce_bytes for c in unit.choices) for unit in units]
+    reserve = _transient_ceiling(worst, worst_prefetch, worst_reduce) + table.activation_bytes + table.fixed_bytes
     weights = [[-(-c.persistent_bytes // resolution_bytes) for c in u.choices] for u in units]
     capacity = (budget_bytes - reserve) // resolution_bytes - sum(min(w) for w in weights)
     if capacity < 0:

@@ -22,16 +22,20 @@ from osdp_lightning.cost import ChoiceCost, ChoiceTable
 Forbidden = dict[int, frozenset[tuple[str, str]]]
 """Per unit ``u``: the pairs ``(choice at u, choice at u + 1)`` not allowed there."""
 
-_Term = tuple[int, str, int]
-"""Bytes of one moment besides what both orders share: ``constant + value(kind, k)``, the kind
-telling what the rest of the plan adds (:func:`_values`)."""
+_Term = tuple[int, str, int, tuple[str, int], bool]
+"""Bytes of one moment besides what both orders share: ``constant + value(kind, k)`` plus the
+reduce-scatter input beside it (``("k", bytes)``; ``("R", 0)``: the largest after the pair;
+``("R|k", bytes)``: the larger of the two),
+the kind telling what the rest of the plan adds (:func:`_values`), and whether it is a backward
+moment (less the sharded gradients the units before the pair give back)."""
 
 
 def forbidden_orders(table: ChoiceTable, candidates: Sequence[Sequence[ChoiceCost]], carry: bool) -> Forbidden:
     """The orders of identical neighbours a model may forbid (``candidates``: each unit's choices in
     the model; ``carry``: buffers carried past units that gather nothing, as the model prices them)."""
-    reach = tuple(max((size(c) for cs in candidates for c in cs), default=0)
-                  for size in (lambda c: c.prefetch, lambda c: c.backward_prefetch))
+    reach = (*(max((size(c) for cs in candidates for c in cs), default=0)
+               for size in (lambda c: c.prefetch, lambda c: c.backward_prefetch, lambda c: c.reduce_bytes)),
+             sum(max((c.late_grad_bytes for c in cs), default=0) for cs in candidates))
     forbidden: Forbidden = {}
     cache: dict[tuple, frozenset[tuple[str, str]]] = {}
     units = table.units
@@ -47,7 +51,7 @@ def forbidden_orders(table: ChoiceTable, candidates: Sequence[Sequence[ChoiceCos
     return forbidden
 
 
-def _pairs(choices: tuple[ChoiceCost, ...], reach: tuple[int, int], carry: bool) -> frozenset[tuple[str, str]]:
+def _pairs(choices: tuple[ChoiceCost, ...], reach: tuple[int, ...], carry: bool) -> frozenset[tuple[str, str]]:
     """``(d, c)`` for every ``c`` that comes before ``d`` in one fixed order and is never worse first."""
     better = {(c.choice, d.choice) for c, d in itertools.permutations(choices, 2)
               if _neutral(c, d, carry) and _first_is_no_worse(c, d, reach, carry)}
@@ -62,25 +66,34 @@ def _neutral(c: ChoiceCost, d: ChoiceCost, carry: bool) -> bool:
 
     With carrying, a neighbour sees the nearest of the two that gathers (or what passes both), the
     same in either order when both gather as much or one gathers nothing; without, it sees the
-    adjacent one's own."""
+    adjacent one's own. A unit before the pair sees the largest reduce-scatter input after it
+    (the same in either order; without carrying, the adjacent one's). The sharded gradients the
+    pair gives back are the same sum in either order."""
     def same(a: int, b: int) -> bool:
         return a == b or (carry and min(a, b) == 0)
-    return same(c.prefetch, d.prefetch) and same(c.backward_prefetch, d.backward_prefetch)
+    return (same(c.prefetch, d.prefetch) and same(c.backward_prefetch, d.backward_prefetch)
+            and (carry or c.reduce_bytes == d.reduce_bytes))
 
 
 def _moments(first: ChoiceCost, second: ChoiceCost, carry: bool) -> list[_Term]:
     """The two units' forward and backward moments with ``first`` at ``u`` and ``second`` after it,
-    less the live bytes before ``u``: ``X`` is the forward buffer from before ``u``, ``A`` / ``Z`` the
-    backward gathers from before ``u`` / after ``u + 1`` (0 where there is no such unit)."""
+    less the live bytes before ``u`` and plus the sharded gradients of the units before it: ``X``
+    is the forward buffer from before ``u``, ``A`` / ``Z`` the backward gathers from before ``u`` /
+    after ``u + 1``, ``R`` the reduce-scatter input from after ``u + 1`` (0 where there is no such
+    unit)."""
     def passed(own: int, other: str) -> tuple[str, int]:
         return (other, 0) if carry and own == 0 else ("k", own)
     forward_buffer = passed(first.prefetch, "X")
     after_first = passed(second.backward_prefetch, "Z")  # the backward gather beside ``first``
     before_second = passed(first.backward_prefetch, "A")
-    return [(first.forward_peak_bytes, "X", 0),
-            (first.live_bytes + first.transient_bytes, *_beside("A", after_first)),
-            (first.live_bytes + second.forward_peak_bytes, *forward_buffer),
-            (first.live_bytes + second.live_bytes + second.transient_bytes, *_beside(before_second, "Z"))]
+    late = first.late_grad_bytes  # NOTE: given back at a backward: the unit's own and those before
+    none = ("k", 0)
+    return [(first.forward_peak_bytes, "X", 0, none, False),
+            (first.live_bytes + first.transient_bytes - late, *_beside("A", after_first),
+             ("R|k" if carry else "k", second.reduce_bytes), True),
+            (first.live_bytes + second.forward_peak_bytes, *forward_buffer, none, False),
+            (first.live_bytes + second.live_bytes + second.transient_bytes - late - second.late_grad_bytes,
+             *_beside(before_second, "Z"), ("R", 0), True)]
 
 
 def _beside(left: str | tuple[str, int], right: str | tuple[str, int]) -> tuple[str, int]:
@@ -96,17 +109,26 @@ def _values(kind: str, k: int, x: int, a: int, z: int) -> int:
     return {"X": x, "k": k, "A|k": max(a, k), "k|Z": max(k, z), "A|Z": max(a, z)}[kind]
 
 
-def _first_is_no_worse(c: ChoiceCost, d: ChoiceCost, reach: tuple[int, int], carry: bool) -> bool:
+def _value(term: _Term, x: int, a: int, z: int, r: int, g: int) -> int:
+    """A term's bytes at buffers ``x``, ``a``, ``z``, reduce-scatter input ``r`` from after the pair
+    and sharded gradients ``g`` given back before it."""
+    constant, kind, k, (reduce_kind, reduce), backward = term
+    extra = {"R": r, "k": reduce, "R|k": max(r, reduce)}[reduce_kind]
+    return constant + _values(kind, k, x, a, z) + extra - (g if backward else 0)
+
+
+def _first_is_no_worse(c: ChoiceCost, d: ChoiceCost, reach: tuple[int, ...], carry: bool) -> bool:
     """Whether the larger moment of ``c, d`` is never above that of ``d, c``: every moment of the
     first order is at most one moment of the second at every buffer the other units can leave
     (a sufficient test; exact on the corners and breakpoints of these piecewise-linear terms)."""
     ours, theirs = _moments(c, d, carry), _moments(d, c, carry)
-    ks = {k for *_, k in ours + theirs}
+    ks = {term[2] for term in ours + theirs}
     xs = (0, reach[0])
     az = sorted({0, reach[1], *(k for k in ks if k <= reach[1])})
-    points = [(x, a, z) for x in xs for a in az for z in az]
-    return all(any(all(mine[0] + _values(mine[1], mine[2], *p) <= other[0] + _values(other[1], other[2], *p)
-                       for p in points) for other in theirs) for mine in ours)
+    rs = sorted({0, reach[2], *(term[3][1] for term in ours + theirs if term[3][1] <= reach[2])})
+    points = [(x, a, z, r, g) for x in xs for a in az for z in az for r in rs for g in (0, reach[3])]
+    return all(any(all(_value(mine, *p) <= _value(other, *p) for p in points) for other in theirs)
+               for mine in ours)
 
 
 def sorted_plan(choices: Sequence[str], forbidden: Forbidden) -> tuple[str, ...]:

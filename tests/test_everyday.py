@@ -106,6 +106,8 @@ def test_accumulation_keeps_unsharded_gradients_and_reduces_once_per_optimizer_s
         kept = grads if not name.startswith("split") else grads // 2  # the sharded slice's gradient
         assert b.state_bytes == a.state_bytes + kept, name
         assert b.comm_s < a.comm_s and b.optimizer_s <= a.optimizer_s, name
+        if not name.startswith("split"):  # sharded gradients live through the step when accumulating
+            assert a.late_grad_bytes == grads // CLUSTER.world_size and b.late_grad_bytes == 0, name
     a, b = choice_cost(UNITS[0], "replicate", once), choice_cost(UNITS[0], "replicate", twice)
     assert b.persistent_bytes == a.persistent_bytes  # DDP's no-sync adds into the same buckets
     assert b.comm_s == pytest.approx(a.comm_s / 2)

@@ -17,7 +17,7 @@ from toy_models import TiedLM  # noqa: E402
 from osdp_lightning.cluster import ClusterSpec  # noqa: E402
 from osdp_lightning.cost import ChoiceCost, build_choice_table  # noqa: E402
 from osdp_lightning.profile import profile_lightning_module  # noqa: E402
-from osdp_lightning.solve import peak_bytes, solve_choice_table  # noqa: E402
+from osdp_lightning.solve import moment_bytes, peak_bytes, solve_choice_table  # noqa: E402
 from osdp_lightning.units import ROOT  # noqa: E402
 
 CLUSTER = ClusterSpec(world_size=2, memory_budget_bytes=2**40, collective_latency_s=1e-4, bandwidth_bytes_per_s=1e9)
@@ -38,6 +38,24 @@ def _zero2(live: int, forward: int, transient: int, buffer: int) -> ChoiceCost:
     """A zero2-like choice: its own bytes only (state 0), nothing gathered for backward."""
     return ChoiceCost("zero2", 0, live, transient, 1.0, 0.0, buffer, activation_bytes=0, forward_bytes=forward,
                       backward_prefetch_bytes=0)
+
+
+def test_a_backward_holds_the_reduce_scatter_input_after_it_and_not_the_gradients_before_it() -> None:
+    # Three sharded units: 100 bytes of state each, 20 of them sharded gradients made at the unit's
+    # post-backward (Lightning sets gradients to None between forward and backward); 50 bytes
+    # while its backward runs; a reduce-scatter input of 40 that FSDP2 keeps until the next
+    # post-backward. Backward runs 2, 1, 0: unit 0's moment holds unit 1's input and lacks its own
+    # and the others' gradients (300 + 50 + 40 - 20 = 370); unit 2's lacks all three (290).
+    unit = ChoiceCost("zero3", 100, 0, 50, 1.0, 0.0, 0, activation_bytes=0, forward_bytes=0,
+                      backward_prefetch_bytes=0, late_grad_bytes=20, reduce_bytes=40)
+    table = make_table([[unit]] * 3)
+    assert [b for _, b in moment_bytes(table, ["zero3"] * 3)] == [370, 350, 290]
+    assert solve_choice_table(table, 370).feasible and not solve_choice_table(table, 369).feasible
+    # A unit that spans the step reduces at its end: its own moment holds no input and lacks
+    # nothing; the others lack its gradients too.
+    spanning = make_table([[unit]] * 3, spans=[True, False, False])
+    assert [b for _, b in moment_bytes(spanning, ["zero3"] * 3)] == [350, 350, 290]
+    assert solve_choice_table(spanning, 350).feasible and not solve_choice_table(spanning, 349).feasible
 
 
 def test_a_units_forward_does_not_see_later_units_and_its_backward_not_their_buffers() -> None:
@@ -62,17 +80,19 @@ def test_a_units_forward_does_not_see_later_units_and_its_backward_not_their_buf
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("uniform, over", [("zero2", 0.05), ("zero3", 0.12)])
 def test_sharded_plans_are_predicted_close_above_fsdp_mem_tracker(train, uniform: str, over: float) -> None:
-    """2 gloo ranks, a tied language model: the prediction is at most 1% under the tracked peak
-    (the strategy keeps more than that free) and at most ``over`` above it. zero2 peaks at the last
-    block's forward copy-out (+10% when every unit's activations were counted there); zero3 at a
-    backward, where the model counts the unit's activations beside its whole gradients although
-    backward frees the first as it makes the second (+10% on this small model, +3 to 6% on the
-    benchmark GPTs, docs/benchmarks.md, "Fourth session")."""
+    """2 gloo ranks, a tied language model: the prediction is at most 2.5% under the tracked peak
+    (the strategy keeps 4% free) and at most ``over`` above it. zero2 peaks at the last block's
+    forward copy-out (+10% when every unit's activations were counted there). zero3's backward
+    moments are tight since the eighth session (sharded gradients not made yet given back, the
+    reduce-scatter input held, the measured backward rise): its step peaks inside the last
+    block's forward, with that block's activations beside its gathered parameters and all-gather
+    buffer, which the model's forward moment (taken at the copy-out) does not hold together:
+    -1.9% here (it was +10%, from the backward's over-count)."""
     result = train(uniform, "--model", "tied_lm", "--uniform", uniform)
     plan, summary = result[0]["plan"], result[0]["summary"]
     assert {u["choice"] for u in plan["units"]} == {uniform}
     error = plan["predicted_peak_bytes"] / summary["peak_bytes"] - 1
-    assert -0.01 <= error <= over, (uniform, plan["predicted_peak_bytes"], summary["peak_bytes"])
+    assert -0.025 <= error <= over, (uniform, plan["predicted_peak_bytes"], summary["peak_bytes"])
 
 
 def test_recorded_runs_repriced_by_todays_model() -> None:

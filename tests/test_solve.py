@@ -62,9 +62,14 @@ def random_table(seed: int) -> ChoiceTable:
         forward = rng.randint(0, 2000 * factor) if rng.random() < 0.6 else None
         # What it gathers for backward: as in forward, or nothing (zero2), or another size.
         backward = rng.choice((None, 0, rng.randint(0, 1500 * factor)))
-        return ChoiceCost(name, rng.randint(0, 1000 * factor), held, transient, rng.uniform(0.0, second), comm,
+        # Sharded gradients made only at its post-backward (part of the state), and a reduce-scatter
+        # input kept through the backward before it: both, either or neither (replicated).
+        state = rng.randint(0, 1000 * factor)
+        late = rng.randint(0, state) if rng.random() < 0.5 else 0
+        reduce = rng.randint(0, 1500 * factor) if rng.random() < 0.5 else 0
+        return ChoiceCost(name, state, held, transient, rng.uniform(0.0, second), comm,
                           prefetch, exposed, activation_bytes=activation, forward_bytes=forward,
-                          backward_prefetch_bytes=backward)
+                          backward_prefetch_bytes=backward, late_grad_bytes=late, reduce_bytes=reduce)
 
     units = []
     for _ in range(rng.randint(1, 8)):
@@ -87,8 +92,11 @@ def evaluate(table: ChoiceTable, combo: tuple[ChoiceCost, ...], pair_term: bool 
 
     Every unit's forward moment (live bytes of the units before it, its forward bytes, the forward
     buffer of the nearest unit before it that gathers) and backward moment (live bytes up to it, its
-    transient, the backward gather of the nearest gathering unit on either side); units that span
-    the step are alive in every moment and see every unit in theirs.
+    transient, the backward gather of the nearest gathering unit on either side, the largest
+    reduce-scatter input of the units after it that do not span the step, less the sharded
+    gradients of the units up to it and of those spanning the step); units that span the step are
+    alive in every moment and see every unit in theirs, with no reduce-scatter input and nothing
+    given back.
     """
     transients = [c.transient_bytes for c in combo]
     held = [c.transient_bytes if c.prefetch_bytes is None else c.prefetch_bytes for c in combo]
@@ -97,6 +105,7 @@ def evaluate(table: ChoiceTable, combo: tuple[ChoiceCost, ...], pair_term: bool 
     live = [c.held_bytes + c.activation_bytes for c in combo]
     forward = [live[u] + transients[u] if c.forward_bytes is None else c.forward_bytes for u, c in enumerate(combo)]
     spans = [unit.spans_step for unit in table.units]
+    reduces = [0 if spans[u] else c.reduce_bytes for u, c in enumerate(combo)]
 
     def nearest_gathering(units: range, buffers: list[int]) -> int:  # units that gather nothing let it through
         return next((buffers[v] for v in units if buffers[v]), 0)
@@ -110,7 +119,10 @@ def evaluate(table: ChoiceTable, combo: tuple[ChoiceCost, ...], pair_term: bool 
         before = nearest_gathering(range(u - 1, -1, -1), held) if pair_term else 0
         beside = max(nearest_gathering(range(u - 1, -1, -1), regathered),
                      nearest_gathering(range(u + 1, n), regathered)) if pair_term else 0
-        moments += [alive(u, False) + forward[u] + before, alive(u, True) + transients[u] + beside]
+        reduced = max((reduces[v] for v in range(u + 1, n)), default=0) if pair_term else 0
+        not_made = sum(combo[v].late_grad_bytes for v in range(n) if spans[v] or v <= u)
+        extra = 0 if spans[u] else reduced - not_made
+        moments += [alive(u, False) + forward[u] + before, alive(u, True) + transients[u] + beside + extra]
     peak = sum(c.state_bytes for c in combo) + max(moments) + table.activation_bytes + table.fixed_bytes
     step = sum(c.compute_s + max(c.exposed_s, c.comm_s - (u.overlap_s if overlap else 0.0))
                for u, c in zip(table.units, combo, strict=True))

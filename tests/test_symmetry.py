@@ -36,11 +36,16 @@ def blocks_table(seed: int) -> ChoiceTable:
     def choice(name: str, sizes: list[int]) -> ChoiceCost:
         prefetch = rng.choice([0, *sizes])
         backward = rng.choice([0, prefetch, *sizes])
-        return ChoiceCost(name, rng.randint(0, 1000), rng.randint(0, 500) if rng.random() < 0.5 else 0,
+        state = rng.randint(0, 1000)
+        # sharded gradients given back in backward, and a reduce-scatter input: of a sharded choice
+        # (its size one of the block's) or none (replicated)
+        reduce = rng.choice([0, *sizes])
+        return ChoiceCost(name, state, rng.randint(0, 500) if rng.random() < 0.5 else 0,
                           rng.randint(0, 1500), rng.uniform(0.0, 1.0), rng.uniform(0.0, 1.0), prefetch,
                           activation_bytes=rng.randint(0, 800),
                           forward_bytes=rng.randint(0, 2000) if rng.random() < 0.6 else None,
-                          backward_prefetch_bytes=backward)
+                          backward_prefetch_bytes=backward, late_grad_bytes=rng.randint(0, state) if reduce else 0,
+                          reduce_bytes=reduce)
 
     def other() -> list[ChoiceCost]:
         return [choice(f"o{i}", [rng.randint(1, 1500)]) for i in range(2)]

@@ -107,7 +107,7 @@ def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
                       prefetch_bytes=gathered if sharded else 0,
                       exposed_s=(2 + ctx.once_per_step_s(1)) * sharded * cluster.collective_latency_s if world > 1 else 0.0,
                       overhead_s=machinery_s, optimizer_s=optimizer_s,
-                      activation_bytes=ctx.activation_bytes(unit))
+                      activation_bytes=ctx.activation_bytes(unit), reduce_bytes=reduced if sharded else 0)
 
 
 def allowed(unit: UnitProfile, choice: Choice, _ctx: CostContext) -> bool:

@@ -42,12 +42,21 @@ def sharded_cost(unit: UnitProfile, choice: Choice, ctx: CostContext, *, gathers
     overhead_s, optimizer_s = ctx.machinery_s(unit, choice.kind)
     kept = ctx.kept_grad_bytes(b.grads)  # accumulating: the unsharded gradient lives through the step
     whole = held == 1  # zero2: the gathered copy is held, not transient; nothing is gathered for backward
+    # NOTE: its backward frees saved activations while it makes the gradients: the profiled rise
+    # (gradients and temporaries less what was freed by then) when measured at this micro-batch,
+    # kept to its gradients plus twice what it saved (their gradients): torch's module tracker
+    # ends a module's backward when every input's gradient is complete, which an input many units
+    # share (T5's position bias) is only at the end of the step, and the rise then takes in later
+    # units' gradients (T5's encoder blocks: 19 to 131 MiB, one more per block).
+    measured = unit.backward_rise_bytes is not None and ctx.batch_scale == 1
+    rise = min(unit.backward_rise_bytes, b.grads + 2 * unit.activation_bytes) if measured else b.grads
     return ChoiceCost(str(choice), ceil_div(b.state, shard) + kept, ceil_div(b.gathered, held) if held else 0,
-                      (0 if whole else b.gathered) + b.grads - kept, ctx.compute_s(unit), comm_s,
+                      (0 if whole else b.gathered) + max(rise - kept, 0), ctx.compute_s(unit), comm_s,
                       prefetch_bytes=b.gathered, exposed_s=exposed_s,
                       overhead_s=overhead_s, optimizer_s=optimizer_s,
                       activation_bytes=ctx.activation_bytes(unit), forward_bytes=2 * b.gathered,
-                      backward_prefetch_bytes=0 if whole else None)
+                      backward_prefetch_bytes=0 if whole else None,
+                      late_grad_bytes=0 if kept else ceil_div(b.grads, shard), reduce_bytes=b.reduced)
 
 
 def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
