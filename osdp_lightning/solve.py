@@ -153,13 +153,13 @@ def _moment_peak(parts: tuple[list[int], ...], spans: list[bool], through: bool 
     At unit ``u``'s forward: the live bytes (held parameters, activations) of the units before it,
     its own forward bytes and the buffer of the nearest unit before it that all-gathers; at its
     backward: the live bytes up to it and its transient beside that buffer or the one of the
-    nearest unit after it, plus the reduce-scatter input of the nearest unit after it that reduces,
-    less the sharded gradients (``late``) of the units up to it and of those spanning the step:
-    not made yet, as Lightning sets the gradients to ``None`` between forward and backward. Units
-    after ``u`` have not run yet (forward) or are through backward (backward). A unit that
-    ``spans`` the step counts in every moment, and its own moments count every unit (alive only
-    before the first reduce-scatter: none is added) and give back nothing. ``parts``: the lists of :func:`_parts_of` (bounds pass each unit's least, the most
-    ``late``).
+    nearest unit after it, plus a reduce-scatter input (:func:`_reduced_after`), less the sharded
+    gradients (``late``) of the units up to it and of those spanning the step: not made yet, as
+    Lightning sets the gradients to ``None`` between forward and backward. Units after ``u`` have
+    not run yet (forward) or are through backward (backward). A unit that ``spans`` the step
+    counts in every moment, and its own moments count every unit (alive only before the first
+    reduce-scatter: none is added) and give back nothing. ``parts``: the lists of
+    :func:`_parts_of` (bounds pass each unit's least, and its most ``late``).
 
     FSDP2 keeps the last forward all-gather's buffer until the next one (``prefetch``) and
     prefetches the next all-gather in backward (``backward_prefetch``; zero2 gathers nothing
