@@ -286,7 +286,9 @@ class _LiveBytes(TorchDispatchMode):
     The quantity :func:`osdp_lightning.profile.measure_activation_peak` reads from MemTracker's
     peak snapshot (activations, temporaries, inputs), without MemTracker's per-module snapshots,
     which take tens of seconds on a 1.5B-parameter model; and, per unit whose backward it is told
-    of, the most bytes that backward added above its start (MemTracker's ``PEAK_BW - PRE_BW``).
+    of, the most bytes that backward added above its start (what the measured profile reads as
+    MemTracker's ``PEAK_BW - PRE_BW``, but ended at the unit's last gradient, not at MemTracker's
+    mark, which waits for every input's gradient).
     """
 
     def __init__(self, existing: set[int]) -> None:

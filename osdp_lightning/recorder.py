@@ -114,8 +114,9 @@ class StepRecorder:
         key = storage_key(tensor)
         if key not in self._param_keys and key not in self._seen:
             self._seen.add(key)
-            self.saved_bytes[self._stack[-1][0] if self._stack else ROOT] += storage_of(tensor).nbytes()
-            self.root_tail_bytes += 0 if self._stack else storage_of(tensor).nbytes()
+            nbytes = storage_of(tensor).nbytes()
+            self.saved_bytes[self._stack[-1][0] if self._stack else ROOT] += nbytes
+            self.root_tail_bytes += 0 if self._stack else nbytes
         return tensor
 
     def _tensor_bytes(self, obj: object) -> int:

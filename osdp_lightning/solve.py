@@ -254,13 +254,13 @@ def _candidates(unit: UnitCosts) -> list[ChoiceCost]:
 
 def _memory_key(cost: ChoiceCost) -> tuple[int, ...]:
     """State, live, forward, transient, prefetch and backward prefetch bytes, whether it gathers
-    nothing in forward / in backward, the sharded gradients it gives back (more is better), its
-    reduce-scatter input and whether it reduces nothing."""
+    nothing in forward / in backward, the sharded gradients it gives back (more is better) and its
+    reduce-scatter input (priced as the largest after a unit: less is never worse)."""
     # NOTE: the peak grows with each of these (_moment_peak). Gathering nothing (prefetch 0) lets a
     # farther unit's buffer through: worse in that respect than gathering a little, a key of its own.
     return (cost.state_bytes, cost.live_bytes, cost.forward_peak_bytes, cost.transient_bytes, cost.prefetch,
             cost.backward_prefetch, int(cost.prefetch == 0), int(cost.backward_prefetch == 0),
-            -cost.late_grad_bytes, cost.reduce_bytes, int(cost.reduce_bytes == 0))
+            -cost.late_grad_bytes, cost.reduce_bytes)
 
 
 @dataclass(frozen=True)
