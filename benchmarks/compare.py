@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 from osdp_lightning.recipes.text import python_docs_corpus
 
 from benchmarks import compare_report
+from benchmarks.launch import run_ranks
 
 BASELINES = ("ddp", "fsdp2", "fsdp2-ckpt", "osdp-replicate", "zero2", "zero3", "osdp-default")
 """Runs without a budget: Lightning's DDP, osdp's uniform plans, osdp at its default budget (all fits)."""
@@ -123,13 +123,7 @@ def launch(method: str, budget: int | None, settings: dict[str, int], args: argp
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OSDP_LIGHTNING_CACHE_DIR": str(work / "calibration"),
            "OMP_NUM_THREADS": threads}
     start = time.perf_counter()
-    with log.open("w") as handle:
-        try:
-            proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env,
-                                  timeout=args.run_timeout_s, check=False)
-            code = proc.returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
+    code = run_ranks(cmd, log, args.run_timeout_s, env=env, ranks=args.devices)  # all ranks at once (launch.py)
     wall_s = time.perf_counter() - start
     if code == 0 and out.exists():
         record = json.loads(out.read_text())

@@ -1,6 +1,7 @@
 """One timed training run of the comparison benchmark (:mod:`benchmarks.compare`).
 
-Run as a script; Lightning's subprocess launcher re-runs this command line for the other ranks::
+Run as a script on every rank (:func:`benchmarks.launch.run_ranks` starts them together, as torchrun
+does), or once and Lightning's subprocess launcher re-runs this command line for the other ranks::
 
     python -m benchmarks.compare_worker --method zero3 --out run.json
     python -m benchmarks.compare_worker --method osdp --budget 123456789 --out run.json

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.launch import DIST_ENV
+
 SCRIPTS = Path(__file__).parent / "scripts"
-
-
-# Set by torch.distributed / Lightning for a process group; a child process must pick its own.
-DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE",
-            "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+sys.path.insert(0, str(SCRIPTS))
+from ckpt_launch import run_ranks  # noqa: E402
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -35,12 +34,23 @@ def run_script(script: str, *args: str, cwd: Path, timeout_s: float = 240,
 
 @pytest.fixture
 def train(tmp_path: Path):
-    """``train(name, *args)`` runs train_compare.py and returns the per-rank results."""
+    """``train(name, *args)`` runs train_compare.py on 2 ranks and returns the per-rank results.
 
-    def _train(name: str, *args: str) -> list[dict]:
+    The ranks start together, as under torchrun (:func:`ckpt_launch.run_ranks`);
+    ``lightning_launcher=True`` starts rank 0 only and lets Lightning's launcher start rank 1, as a
+    user's ``python train.py`` does (the CLI and main-job tests always go that way).
+    """
+
+    def _train(name: str, *args: str, lightning_launcher: bool = False) -> list[dict]:
         out = tmp_path / f"{name}.json"
-        proc = run_script("train_compare.py", *args, "--out", str(out), cwd=tmp_path)
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        if lightning_launcher:
+            proc = run_script("train_compare.py", *args, "--out", str(out), cwd=tmp_path)
+            ok, log = proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        else:
+            done = run_ranks([str(SCRIPTS / "train_compare.py"), *args, "--out", str(out)], tmp_path / f"{name}.log",
+                             240, cwd=tmp_path)
+            ok, log = done.returncode == 0, done.log[-9000:]
+        assert ok, f"{name} failed:\n{log}"
         return json.loads(out.read_text())
 
     return _train

@@ -30,7 +30,7 @@ from osdp_lightning.split import SplitLinear, split_linear_in_module
 from osdp_lightning.units import select_units
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from ckpt_launch import run_logged, script  # noqa: E402
+from ckpt_launch import run_ranks, script  # noqa: E402
 from ckpt_plans import MIXED, fixed_plan  # noqa: E402
 from toy_models import MLP, TiedLM  # noqa: E402
 
@@ -121,8 +121,8 @@ def test_frozen_parameters_cost_no_gradient_or_optimizer_state() -> None:
 
 @pytest.mark.multiprocess
 def test_frozen_parameters_train_and_checkpoint_on_two_ranks(tmp_path: Path) -> None:
-    done = run_logged([script("ckpt_run.py"), "--frozen", "--steps", "6", "--budget", "1GiB", "--ckpt-dir",
-                       "ckpt", "--ckpt-every", "3", "--out", "out"], tmp_path / "log", 240, cwd=tmp_path)
+    done = run_ranks([script("ckpt_run.py"), "--frozen", "--steps", "6", "--budget", "1GiB", "--ckpt-dir",
+                      "ckpt", "--ckpt-every", "3", "--out", "out"], tmp_path / "log", 240, cwd=tmp_path)
     assert done.returncode == 0, done.log[-6000:]
     final = torch.load(tmp_path / "out" / "final.pt", weights_only=False)
     L.seed_everything(0)

@@ -86,7 +86,7 @@ def test_every_rank_gets_the_thread_count_lightning_ddp_sets(train, monkeypatch:
     """Lightning's DDP launcher gives every rank its share of the cores; ModelParallelStrategy, osdp's
     base, set none on the ranks it did not start (rank 1 ran a thread per core beside rank 0)."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    ddp = train("ddp", "--model", "mlp", "--strategy", "ddp", "--steps", "2")
-    osdp = train("osdp", "--model", "mlp", "--uniform", "replicate", "--steps", "2")
+    ddp = train("ddp", "--model", "mlp", "--strategy", "ddp", "--steps", "2", lightning_launcher=True)
+    osdp = train("osdp", "--model", "mlp", "--uniform", "replicate", "--steps", "2", lightning_launcher=True)
     share = _suggested_max_num_threads(2)
     assert [r["threads"] for r in ddp] == [r["threads"] for r in osdp] == [share, share]

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from ckpt_launch import run_logged, script  # noqa: E402
+from ckpt_launch import run_logged, run_ranks, script  # noqa: E402
 from ckpt_plans import MIXED, OTHER, fixed_plan  # noqa: E402
 from toy_models import MLP  # noqa: E402
 
@@ -48,7 +48,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "f": ["--steps", "20", "--budget", "1GiB", "--resume", str(work / "ckpt_e" / "step=15.ckpt")],
     }
     for name, args in chain.items():
-        done = run_logged([script("ckpt_run.py"), *args, "--out", name], work / f"{name}.log", 240, cwd=work)
+        launch = run_logged if "--devices" in args else run_ranks  # one process, or 2 ranks started together
+        done = launch([script("ckpt_run.py"), *args, "--out", name], work / f"{name}.log", 240, cwd=work)
         assert done.returncode == 0, f"run {name} failed:\n{done.log[-6000:]}"
     return work
 

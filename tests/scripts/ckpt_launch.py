@@ -2,7 +2,8 @@
 
 Output goes to a log file rather than a pipe (a rank that outlives the launcher would keep a pipe
 open and block the reader), and the script runs in its own session so that on timeout every
-process it started is killed with it.
+process it started is killed with it. :func:`run_ranks` starts every rank at once, as torchrun does
+(:mod:`benchmarks.launch`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks import launch
 
 SCRIPTS = Path(__file__).parent
 
@@ -56,6 +59,15 @@ def run_logged(args: list[str], log_path: Path, timeout_s: float, cwd: Path | No
         except ProcessLookupError:
             pass
     return Finished(returncode, elapsed, log_path.read_text(), leftovers)
+
+
+def run_ranks(args: list[str], log_path: Path, timeout_s: float, cwd: Path | None = None,
+              env: dict[str, str] | None = None, ranks: int = 2) -> Finished:
+    """Run ``python <args>`` on ``ranks`` ranks started together (:func:`benchmarks.launch.run_ranks`)."""
+    start = time.monotonic()
+    code = launch.run_ranks([sys.executable, *args], log_path, timeout_s, env={**os.environ, **(env or {})},
+                            ranks=ranks, cwd=cwd or SCRIPTS)
+    return Finished(-9 if code == "timeout" else int(code), time.monotonic() - start, log_path.read_text(), [])
 
 
 def session_members(session_id: int) -> list[int]:
