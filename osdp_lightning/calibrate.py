@@ -147,6 +147,14 @@ the largest is the size of real units, so that per-byte rates are measured where
 STACK_DEPTH = 2
 STACK_ROWS = 8
 SPLIT_CHOICE = "split(k=2, sharded=1)"
+QUIET_CPU_SHARE = 0.80
+"""Share of a core each of 2 gloo ranks got during a calibration on this project's quiet 2-core VM
+(0.78-0.82: the rest is waiting in collectives)."""
+BUSY_CPU_SHARE = 0.65
+"""Below this share a calibration is used but not cached (:func:`busy_reason`). Beside one busy
+process on those 2 cores the ranks got 0.52-0.55 of a core and zero3's per-group constant rose 5.6
+-> 8.1 ms; beside two, 0.40-0.44 and 14.5 ms. A cache written then over-priced sharding in every
+later launch (docs/benchmarks.md, "Ninth session")."""
 
 
 class _Stack(nn.Module):
@@ -394,13 +402,29 @@ def measure_step_terms(device: torch.device, optimizer: torch.optim.Optimizer | 
     extra.update({f"{c}@{w}_optimizer_s": statistics.median(b.optimizer_s) for (c, w), b in benches.items()
                   if b.optimizer_s})
     extra.update({f"{k}_s": v for k, v in collective_s.items()})
-    # NOTE: CPU seconds of this process say what the wall time would be on an idle machine.
-    elapsed = [time.perf_counter() - start, time.process_time() - start_cpu]
-    dist.broadcast_object_list(elapsed, src=0)
-    extra["calibrate_cpu_s"] = elapsed[1]
+    # NOTE: CPU seconds of this process say what the wall time would be on an idle machine; the
+    # least share of a core any rank got says how busy the machine was (busy_reason).
+    elapsed = [(time.perf_counter() - start, time.process_time() - start_cpu)] * dist.get_world_size()
+    dist.all_gather_object(elapsed, elapsed[0])
+    extra["calibrate_cpu_s"] = elapsed[0][1]
+    extra["calibrate_cpu_share"] = min(cpu_s / max(wall_s, 1e-9) for wall_s, cpu_s in elapsed)
     _release(benches)
     return StepTerms(collectives, overhead, optimizer_terms, loop_step_s, source="measured at setup",
-                     calibrate_s=elapsed[0], extra=extra)
+                     calibrate_s=elapsed[0][0], extra=extra)
+
+
+def busy_reason(terms: StepTerms, device: torch.device) -> str | None:
+    """Why freshly measured ``terms`` must not be cached (the machine was busy), or ``None``.
+
+    On CPU a rank that waits for a core, or for a rank that does, gets less of one: the terms then
+    price sharding for a busier machine than the next launch may find, and a cache would carry
+    them into every later launch. On CUDA the ranks wait for the device, not for cores: no check.
+    """
+    share = terms.extra.get("calibrate_cpu_share")
+    if device.type != "cpu" or share is None or share >= BUSY_CPU_SHARE:
+        return None
+    return (f"the machine was busy while they were measured (a rank got {100 * share:.0f}% of a core; "
+            f"{100 * QUIET_CPU_SHARE:.0f}% on a quiet machine)")
 
 
 # -- the per-machine cache ------------------------------------------------------------------------
@@ -475,6 +499,10 @@ def calibrate_step_terms(device: torch.device, optimizer: torch.optim.Optimizer 
         terms = StepTerms.from_dict(found[0], source=f"cache {cache_file(key)}")
         return replace(terms, loop_step_s=loop_step_s, calibrate_s=0.0)
     terms = measure_step_terms(device, optimizer, meshes, split=split, loop_step_s=loop_step_s)
+    busy = busy_reason(terms, device)  # the same on every rank: from gathered figures
     if use_cache and dist.get_rank() == 0:
-        write_cache(cache_file(key), key, terms)
+        if busy is None:
+            write_cache(cache_file(key), key, terms)
+        else:
+            rank_zero_info(f"osdp: step terms not cached: {busy}; the next launch measures again")
     return terms

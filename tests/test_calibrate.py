@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import run_script
 
 from osdp_lightning import calibrate
-from osdp_lightning.calibrate import CACHE_ENV, CACHE_FORMAT, cache_file, read_cache, write_cache
+from osdp_lightning.calibrate import (
+    BUSY_CPU_SHARE,
+    CACHE_ENV,
+    CACHE_FORMAT,
+    busy_reason,
+    cache_file,
+    read_cache,
+    write_cache,
+)
 from osdp_lightning.step_terms import (
     MACHINERY,
     PLAIN,
@@ -97,14 +107,21 @@ def test_cluster_configs_give_complete_terms() -> None:
 
 
 @pytest.mark.multiprocess
-def test_calibration_on_two_ranks_is_positive_identical_and_cached(tmp_path: Path) -> None:
+def test_calibration_on_two_ranks_is_positive_identical_and_cached_unless_busy(tmp_path: Path) -> None:
     out = tmp_path / "calib"
     proc = run_script("calibrate_check.py", "--out", str(out), cwd=tmp_path, env={CACHE_ENV: str(tmp_path / "cache")})
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
-    first, second = ranks[0]["first"], ranks[0]["second"]
+    first, second, third = ranks[0]["first"], ranks[0]["second"], ranks[0]["third"]
     assert ranks[1] == ranks[0], "ranks calibrated different terms"
-    assert first["source"] == "measured at setup" and second["source"].startswith("cache ")
+    assert 0 < first["extra"]["calibrate_cpu_share"] <= 1.05
+    if first["extra"]["calibrate_cpu_share"] >= BUSY_CPU_SHARE:  # a quiet machine: cached and read back
+        assert ranks[0]["cached_after_first"] and second["source"].startswith("cache ")
+    else:  # a busy one (another job on this machine): measured again, never cached
+        assert not ranks[0]["cached_after_first"] and second["source"] == "measured at setup"
+    assert first["source"] == third["source"] == "measured at setup"
+    assert not ranks[0]["cached_after_third"], "terms measured on a busy machine were cached"
+    assert "step terms not cached: the machine was busy" in proc.stdout + proc.stderr
     for part in ("collectives", "overhead", "optimizer"):
         assert second[part] == first[part]
     terms = StepTerms.from_dict(first)  # raises on anything missing, negative or not finite
@@ -121,12 +138,22 @@ def test_calibration_on_two_ranks_is_positive_identical_and_cached(tmp_path: Pat
         assert cost.is_valid() and (kind == SPLIT_REPLICATED or cost.seconds(2, 2**20) > 0), kind
     assert 0 < first["calibrate_s"] and math.isfinite(first["calibrate_s"])
     print(f"calibrate_s {first['calibrate_s']:.2f}")
-    assert list((tmp_path / "cache").glob("step_terms_cpu_w2_r2.json"))
+
+
+def test_terms_measured_on_a_busy_cpu_are_not_cached() -> None:
+    terms = step_terms_from_config({"accelerator": "cpu", "intra_node_latency_s": 1e-4,
+                                    "intra_node_bandwidth_bytes_per_s": 1e9})
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert busy_reason(terms, cpu) is None  # nothing measured: nothing to judge
+    for share, busy in ((0.5, True), (BUSY_CPU_SHARE - 0.01, True), (BUSY_CPU_SHARE, False), (0.8, False)):
+        measured = dataclasses.replace(terms, extra={"calibrate_cpu_share": share})
+        reason = busy_reason(measured, cpu)
+        assert (reason is not None) == busy, (share, reason)
+        assert busy_reason(measured, cuda) is None  # CUDA ranks wait for the device, not for cores
+    assert "a rank got 50% of a core" in busy_reason(dataclasses.replace(terms, extra={"calibrate_cpu_share": 0.5}), cpu)
 
 
 def test_step_terms_enter_the_predicted_step() -> None:
-    import dataclasses
-
     from osdp_lightning.cluster import ClusterSpec
     from osdp_lightning.plan import make_plan
     from osdp_lightning.profile import ModelProfile, UnitProfile

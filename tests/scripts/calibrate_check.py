@@ -1,8 +1,10 @@
-"""Step-term calibration on 2 real gloo ranks: measured, then read back from the cache.
+"""Step-term calibration on 2 real gloo ranks: measured, read back from the cache, then measured
+again with the busy threshold above any share of a core (so that it is not cached).
 
 Run as a script (it spawns its own 2 ranks):  python calibrate_check.py --out result.json
 The cache directory comes from ``OSDP_LIGHTNING_CACHE_DIR`` (the test points it at a temporary
-directory). Every rank writes its terms of both calls to ``<out>.rank<r>.json``.
+directory). Every rank writes its terms of the three calls to ``<out>.rank<r>.json``, and whether a
+cache file existed after each.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -20,13 +21,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.launch import free_port  # noqa: E402
+
 WORLD = 2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run(rank: int, port: int, out: str) -> None:
@@ -34,15 +31,27 @@ def run(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
     try:
+        from osdp_lightning import calibrate
         from osdp_lightning.apply import build_meshes
-        from osdp_lightning.calibrate import calibrate_step_terms
 
         device = torch.device("cpu")
         optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
         meshes = build_meshes("cpu", WORLD)
-        first = calibrate_step_terms(device, optimizer, meshes, ranks_per_node=WORLD, loop_step_s=1e-3)
-        second = calibrate_step_terms(device, optimizer, meshes, ranks_per_node=WORLD, loop_step_s=1e-3)
-        Path(f"{out}.rank{rank}.json").write_text(json.dumps({"first": first.to_dict(), "second": second.to_dict()}))
+        def cached() -> bool:
+            dist.barrier()  # rank 0 writes the cache
+            return any(calibrate.cache_dir().glob("step_terms_*.json"))
+
+        first = calibrate.calibrate_step_terms(device, optimizer, meshes, ranks_per_node=WORLD, loop_step_s=1e-3)
+        after_first = cached()
+        second = calibrate.calibrate_step_terms(device, optimizer, meshes, ranks_per_node=WORLD, loop_step_s=1e-3)
+        if rank == 0:
+            for path in calibrate.cache_dir().glob("step_terms_*.json"):
+                path.unlink()
+        calibrate.BUSY_CPU_SHARE = 2.0  # every measurement now counts as made on a busy machine
+        third = calibrate.calibrate_step_terms(device, optimizer, meshes, ranks_per_node=WORLD, loop_step_s=1e-3)
+        result = {"first": first.to_dict(), "second": second.to_dict(), "third": third.to_dict(),
+                  "cached_after_first": after_first, "cached_after_third": cached()}
+        Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
