@@ -152,9 +152,9 @@ QUIET_CPU_SHARE = 0.80
 (0.78-0.82: the rest is waiting in collectives)."""
 BUSY_CPU_SHARE = 0.65
 """Below this share a calibration is used but not cached (:func:`busy_reason`). Beside one busy
-process on those 2 cores the ranks got 0.52-0.55 of a core and zero3's per-group constant rose 5.6
--> 8.1 ms; beside two, 0.40-0.44 and 14.5 ms. A cache written then over-priced sharding in every
-later launch (docs/benchmarks.md, "Ninth session")."""
+process on those 2 cores the ranks got 0.52-0.55 of a core and zero3's per-group constant rose from
+5.8 to 8.1 ms; beside two, 0.40-0.44 and 14.5 ms (means of 3-4 calibrations). A cache written then
+over-priced sharding in every later launch (docs/benchmarks.md, "Ninth session")."""
 
 
 class _Stack(nn.Module):
