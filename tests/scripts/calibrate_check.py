@@ -4,7 +4,7 @@ again with the busy threshold above any share of a core (so that it is not cache
 Run as a script (it spawns its own 2 ranks):  python calibrate_check.py --out result.json
 The cache directory comes from ``OSDP_LIGHTNING_CACHE_DIR`` (the test points it at a temporary
 directory). Every rank writes its terms of the three calls to ``<out>.rank<r>.json``, and whether a
-cache file existed after each.
+the cache files there after the first and the third.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ def run(rank: int, port: int, out: str) -> None:
         device = torch.device("cpu")
         optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
         meshes = build_meshes("cpu", WORLD)
-        def cached() -> bool:
+
+        def cached() -> list[str]:
             dist.barrier()  # rank 0 writes the cache
-            return any(calibrate.cache_dir().glob("step_terms_*.json"))
+            return sorted(path.name for path in calibrate.cache_dir().glob("step_terms_*.json"))
 
         first = calibrate.calibrate_step_terms(device, optimizer, meshes, ranks_per_node=WORLD, loop_step_s=1e-3)
         after_first = cached()
