@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -32,16 +33,29 @@ def run_script(script: str, *args: str, cwd: Path, timeout_s: float = 240,
     return proc
 
 
+# Lightning DDP reference runs of this session by argument list: several tests compare their plans
+# with the same DDP run (same model, seed and data), which is deterministic, so it runs once.
+_DDP_REFERENCES: dict[tuple[str, ...], list[dict]] = {}
+
+
+def _is_ddp_reference(args: tuple[str, ...]) -> bool:
+    return "--strategy" in args and args[args.index("--strategy") + 1] == "ddp"
+
+
 @pytest.fixture
 def train(tmp_path: Path):
     """``train(name, *args)`` runs train_compare.py on 2 ranks and returns the per-rank results.
 
     The ranks start together, as under torchrun (:func:`ckpt_launch.run_ranks`);
     ``lightning_launcher=True`` starts rank 0 only and lets Lightning's launcher start rank 1, as a
-    user's ``python train.py`` does (the CLI and main-job tests always go that way).
+    user's ``python train.py`` does (the CLI and main-job tests always go that way). A Lightning
+    DDP run started together runs once per session per argument list (``_DDP_REFERENCES``).
     """
 
     def _train(name: str, *args: str, lightning_launcher: bool = False) -> list[dict]:
+        reference = not lightning_launcher and _is_ddp_reference(args)
+        if reference and args in _DDP_REFERENCES:
+            return copy.deepcopy(_DDP_REFERENCES[args])
         out = tmp_path / f"{name}.json"
         if lightning_launcher:
             proc = run_script("train_compare.py", *args, "--out", str(out), cwd=tmp_path)
@@ -51,7 +65,10 @@ def train(tmp_path: Path):
                              240, cwd=tmp_path)
             ok, log = done.returncode == 0, done.log[-9000:]
         assert ok, f"{name} failed:\n{log}"
-        return json.loads(out.read_text())
+        result = json.loads(out.read_text())
+        if reference:
+            _DDP_REFERENCES[args] = copy.deepcopy(result)
+        return result
 
     return _train
 
