@@ -22,7 +22,7 @@ import platform
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -123,8 +123,15 @@ def measure_collectives(device: torch.device, payload_bytes: int = 8 * 2**20, re
 CACHE_ENV = "OSDP_LIGHTNING_CACHE_DIR"
 """Directory of the per-machine calibration cache (default ``~/.cache/osdp_lightning``; tests
 point it at a temporary directory)."""
-CACHE_FORMAT = 2
-"""2: collectives at four sizes, stacks at three widths (a format-1 cache is stale)."""
+CACHE_FORMAT = 3
+"""3: the last :data:`CACHE_DRAWS` calibrations (2: one; 1: collectives at two sizes); an older
+format is stale."""
+CACHE_DRAWS = 3
+"""Calibrations the cache keeps; a launch uses their per-term median. On this project's 2-core VM
+one block's priced FSDP2 work was more than 15% off the median of nine calibrations in 11-33% of
+single calibrations and 0-8% of medians of three; one that priced uniform zero3 27% high went into
+every later launch of its benchmark (docs/benchmarks.md, "Tenth session"). So the first launches on
+a machine each measure and add theirs until there are this many."""
 CACHE_MAX_AGE_S = 7 * 24 * 3600.0
 """A cache older than this is stale (machines change: drivers, load, other tenants)."""
 COLLECTIVE_BYTES = (64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
@@ -450,8 +457,9 @@ def cache_file(key: dict[str, Any]) -> Path:
     return cache_dir() / f"step_terms_{key['device']}_w{key['world_size']}_r{key['ranks_per_node']}.json"
 
 
-def read_cache(path: Path, key: dict[str, Any], max_age_s: float = CACHE_MAX_AGE_S) -> StepTerms | None:
-    """The cached terms, or ``None`` with one line saying why a cache that exists is not trusted."""
+def read_cache(path: Path, key: dict[str, Any], max_age_s: float = CACHE_MAX_AGE_S) -> list[StepTerms] | None:
+    """The cached calibrations (oldest first), or ``None`` with one line saying why a cache that
+    exists is not trusted."""
     if not path.exists():
         return None
     try:
@@ -465,44 +473,64 @@ def read_cache(path: Path, key: dict[str, Any], max_age_s: float = CACHE_MAX_AGE
             reason = f"foreign (measured for another {', '.join(differ)})"
         elif not time.time() - float(data["written_at"]) <= max_age_s:
             reason = f"stale (older than {max_age_s / 86400:g} days)"
+        elif not isinstance(data["draws"], list) or not data["draws"]:
+            raise ValueError("no calibrations")
         else:
-            return StepTerms.from_dict(data["terms"], source=f"cache {path}")
+            return [StepTerms.from_dict(draw, source=f"cache {path}") for draw in data["draws"]]
     except (OSError, ValueError, KeyError, TypeError) as err:
         reason = f"corrupt ({type(err).__name__}: {err})"
     rank_zero_info(f"osdp: ignoring the calibration cache {path}: {reason}; measuring again")
     return None
 
 
-def write_cache(path: Path, key: dict[str, Any], terms: StepTerms) -> None:
+def write_cache(path: Path, key: dict[str, Any], draws: list[StepTerms]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "written_at": time.time(), "terms": terms.to_dict()}, indent=1))
+        data = {"key": key, "written_at": time.time(), "draws": [d.to_dict() for d in draws[-CACHE_DRAWS:]]}
+        tmp.write_text(json.dumps(data, indent=1))
         tmp.replace(path)  # atomic: a reader never sees half a file
     except OSError as err:
         rank_zero_info(f"osdp: could not write the calibration cache {path} ({err})")
 
 
+def median_terms(draws: list[StepTerms], source: str) -> StepTerms:
+    """The per-term median of several calibrations: each constant and each rate on its own (one
+    calibration's outlier moves neither), the raw figures of the latest kept for reports."""
+    def table(part: str) -> dict[str, Affine]:
+        latest: Mapping[str, Affine] = getattr(draws[-1], part)
+        return {k: Affine(statistics.median(getattr(d, part)[k].constant_s for d in draws),
+                          statistics.median(getattr(d, part)[k].per_byte_s for d in draws)) for k in latest}
+    return replace(draws[-1], collectives=table("collectives"), overhead=table("overhead"),
+                   optimizer=table("optimizer"), source=source,
+                   extra={**draws[-1].extra, "calibration_draws": float(len(draws))})
+
+
 def calibrate_step_terms(device: torch.device, optimizer: torch.optim.Optimizer | None, meshes: Meshes, *,
                          ranks_per_node: int, split: bool = True, loop_step_s: float = 0.0,
                          use_cache: bool = True) -> StepTerms:
-    """The step terms of this process group: from the cache when rank 0 trusts it, else measured
-    (every rank must call this; every rank returns rank 0's terms)."""
-    world = dist.get_world_size()
-    key = calibration_key(device, world, ranks_per_node, optimizer, split)
-    found: list[Any] = [None]
+    """The step terms of this process group: the median of the cached calibrations once there are
+    :data:`CACHE_DRAWS` of them that rank 0 trusts; else measured, added to the cache and taken
+    with the cached ones (every rank must call this; every rank returns rank 0's terms)."""
+    key = calibration_key(device, dist.get_world_size(), ranks_per_node, optimizer, split)
+    path = cache_file(key)
+    found: list[Any] = [[]]
     if use_cache and dist.get_rank() == 0:
-        cached = read_cache(cache_file(key), key)
-        found[0] = cached.to_dict() if cached is not None else None
+        found[0] = [draw.to_dict() for draw in read_cache(path, key) or []][-CACHE_DRAWS:]
     dist.broadcast_object_list(found, src=0)
-    if found[0] is not None:
-        terms = StepTerms.from_dict(found[0], source=f"cache {cache_file(key)}")
+    draws = [StepTerms.from_dict(draw) for draw in found[0]]
+    if len(draws) == CACHE_DRAWS:
+        terms = median_terms(draws, source=f"cache {path} (median of {len(draws)} calibrations)")
         return replace(terms, loop_step_s=loop_step_s, calibrate_s=0.0)
-    terms = measure_step_terms(device, optimizer, meshes, split=split, loop_step_s=loop_step_s)
-    busy = busy_reason(terms, device)  # the same on every rank: from gathered figures
-    if use_cache and dist.get_rank() == 0:
-        if busy is None:
-            write_cache(cache_file(key), key, terms)
-        else:
+    measured = measure_step_terms(device, optimizer, meshes, split=split, loop_step_s=loop_step_s)
+    busy = busy_reason(measured, device)  # the same on every rank: from gathered figures
+    if busy is not None:  # used for this launch only: a busy machine's terms stand for now, not later
+        if use_cache and dist.get_rank() == 0:
             rank_zero_info(f"osdp: step terms not cached: {busy}; the next launch measures again")
-    return terms
+        return measured
+    if use_cache and dist.get_rank() == 0:
+        write_cache(path, key, [*draws, measured])
+    if not draws:
+        return measured
+    terms = median_terms([*draws, measured], source=f"measured at setup, median with {len(draws)} cached")
+    return replace(terms, loop_step_s=loop_step_s, calibrate_s=measured.calibrate_s)

@@ -106,7 +106,8 @@ class OSDPStrategy(ModelParallelStrategy):
             (``0.05``) or bytes (``"256MiB"``). Default: 4% on CPU (above the model's largest measured
             miss, 3.4%), on CUDA 4% plus the allocator's fragmentation measured while profiling
             (:func:`osdp_lightning.budget.plan_headroom_bytes`).
-        calibration_cache: Reuse the step-time terms measured earlier on this machine
+        calibration_cache: Reuse the step-time terms measured earlier on this machine: the median of
+            its last three calibrations; the first three launches each measure and add theirs
             (``~/.cache/osdp_lightning``, or ``$OSDP_LIGHTNING_CACHE_DIR``); ``False`` measures anew.
         save_distributed_checkpoint: Sharded (default) or one consolidated checkpoint file.
     """

@@ -15,10 +15,12 @@ from conftest import run_script
 from osdp_lightning import calibrate
 from osdp_lightning.calibrate import (
     BUSY_CPU_SHARE,
+    CACHE_DRAWS,
     CACHE_ENV,
     CACHE_FORMAT,
     busy_reason,
     cache_file,
+    median_terms,
     read_cache,
     write_cache,
 )
@@ -49,15 +51,41 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_cache_is_written_and_read_back(cache: Path) -> None:
     assert read_cache(cache, KEY) is None  # nothing there yet: no note, just measure
-    write_cache(cache, KEY, some_terms())
+    write_cache(cache, KEY, [some_terms()])
     back = read_cache(cache, KEY)
-    assert back is not None and back.to_dict()["collectives"] == some_terms().to_dict()["collectives"]
-    assert back.overhead == some_terms().overhead and back.source.startswith("cache ")
+    assert back is not None and len(back) == 1
+    assert back[0].to_dict()["collectives"] == some_terms().to_dict()["collectives"]
+    assert back[0].overhead == some_terms().overhead and back[0].source.startswith("cache ")
+    draws = [scaled(some_terms(), f) for f in (1.0, 2.0, 3.0, 4.0)]
+    write_cache(cache, KEY, draws)  # only the latest CACHE_DRAWS are kept
+    assert [d.overhead["zero3"] for d in read_cache(cache, KEY)] == [d.overhead["zero3"] for d in draws[-CACHE_DRAWS:]]
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncated", "negative", "foreign", "old_format", "too_old"])
+def scaled(terms: StepTerms, factor: float) -> StepTerms:
+    def table(part: dict[str, Affine]) -> dict[str, Affine]:
+        return {k: Affine(v.constant_s * factor, v.per_byte_s * factor) for k, v in part.items()}
+    return dataclasses.replace(terms, collectives=table(terms.collectives), overhead=table(terms.overhead),
+                               optimizer=table(terms.optimizer), extra={"factor": factor})
+
+
+def test_the_median_of_calibrations_ignores_one_outlier_in_each_term() -> None:
+    """One calibration's zero3 constant 50% high (the failure this guards against), another's all-gather
+    rate 4x: the median takes neither; each constant and each rate is the median of its own."""
+    base = some_terms()
+    high_zero3 = dataclasses.replace(base, overhead={**base.overhead, "zero3": Affine(1.5e-3, 2e-9)})
+    fast_gather = dataclasses.replace(base, collectives={**base.collectives, "all_gather": Affine(1e-4, 4e-9)},
+                                      extra={"calibrate_cpu_share": 0.8})
+    median = median_terms([high_zero3, base, fast_gather], source="test")
+    assert median.overhead == base.overhead and median.collectives == base.collectives
+    assert median.optimizer == base.optimizer and median.source == "test"
+    assert median.extra == {"calibrate_cpu_share": 0.8, "calibration_draws": 3.0}  # the latest draw's raw figures
+    two = median_terms([base, scaled(base, 3.0)], source="test")  # two: their mean
+    assert two.overhead["zero2"].constant_s == pytest.approx(2 * base.overhead["zero2"].constant_s)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "negative", "empty", "foreign", "old_format", "too_old"])
 def test_a_bad_cache_is_ignored_with_one_line(cache: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
-    write_cache(cache, KEY, some_terms())
+    write_cache(cache, KEY, [some_terms()])
     data = json.loads(cache.read_text())
     if damage == "corrupt":
         cache.write_text("{not json")
@@ -65,7 +93,9 @@ def test_a_bad_cache_is_ignored_with_one_line(cache: Path, damage: str, caplog: 
         cache.write_text(cache.read_text()[:200])
     else:
         if damage == "negative":
-            data["terms"]["overhead"]["zero3"] = [-1.0, 0.0]
+            data["draws"][0]["overhead"]["zero3"] = [-1.0, 0.0]
+        elif damage == "empty":
+            data["draws"] = []
         elif damage == "foreign":
             data["key"]["torch"] = "2.5.0"
         elif damage == "old_format":
@@ -77,8 +107,8 @@ def test_a_bad_cache_is_ignored_with_one_line(cache: Path, damage: str, caplog: 
         assert read_cache(cache, KEY) is None
     notes = [r.getMessage() for r in caplog.records if "calibration cache" in r.getMessage()]
     assert len(notes) == 1, notes
-    expected = {"corrupt": "corrupt", "truncated": "corrupt", "negative": "corrupt", "foreign": "foreign (measured "
-                "for another torch", "old_format": "stale", "too_old": "stale"}[damage]
+    expected = {"corrupt": "corrupt", "truncated": "corrupt", "negative": "corrupt", "empty": "corrupt",
+                "foreign": "foreign (measured for another torch", "old_format": "stale", "too_old": "stale"}[damage]
     assert expected in notes[0]
 
 
@@ -108,22 +138,30 @@ def test_cluster_configs_give_complete_terms() -> None:
 
 @pytest.mark.multiprocess
 def test_calibration_on_two_ranks_is_positive_identical_and_cached_unless_busy(tmp_path: Path) -> None:
+    """Four calls on 2 real ranks, the cache keeping 2 calibrations: measured and cached; measured
+    again and taken with the cached one (their median); read back (the median of the two); and,
+    with the busy threshold above any share of a core, measured and not cached."""
     out = tmp_path / "calib"
     proc = run_script("calibrate_check.py", "--out", str(out), cwd=tmp_path, env={CACHE_ENV: str(tmp_path / "cache")})
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
-    first, second, third = ranks[0]["first"], ranks[0]["second"], ranks[0]["third"]
+    first, second, third, fourth = (ranks[0][k] for k in ("first", "second", "third", "fourth"))
     assert ranks[1] == ranks[0], "ranks calibrated different terms"
-    assert 0 < first["extra"]["calibrate_cpu_share"] <= 1.05
-    if first["extra"]["calibrate_cpu_share"] >= BUSY_CPU_SHARE:  # a quiet machine: cached and read back
-        assert ranks[0]["cached_after_first"] == ["step_terms_cpu_w2_r2.json"] and second["source"].startswith("cache ")
-    else:  # a busy one (another job on this machine): measured again, never cached
-        assert ranks[0]["cached_after_first"] == [] and second["source"] == "measured at setup"
-    assert first["source"] == third["source"] == "measured at setup"
-    assert ranks[0]["cached_after_third"] == [], "terms measured on a busy machine were cached"
+    shares = [call["extra"]["calibrate_cpu_share"] for call in (first, second)]
+    assert all(0 < share <= 1.05 for share in shares), shares
+    assert first["source"] == "measured at setup"
+    if min(shares) >= BUSY_CPU_SHARE:  # a quiet machine: both cached, then read back as their median
+        assert ranks[0]["cached_after_first"] == ["step_terms_cpu_w2_r2.json"]
+        assert second["source"] == "measured at setup, median with 1 cached"
+        assert third["source"].startswith("cache ") and third["source"].endswith("(median of 2 calibrations)")
+        assert third["calibrate_s"] == 0 < second["calibrate_s"]
+        for part in ("collectives", "overhead", "optimizer"):
+            assert third[part] == second[part]
+    elif shares[0] < BUSY_CPU_SHARE:  # a busy first call (another job on this machine): never cached
+        assert ranks[0]["cached_after_first"] == []
+    assert fourth["source"] == "measured at setup"
+    assert ranks[0]["cached_after_fourth"] == [], "terms measured on a busy machine were cached"
     assert "step terms not cached: the machine was busy" in proc.stdout + proc.stderr
-    for part in ("collectives", "overhead", "optimizer"):
-        assert second[part] == first[part]
     terms = StepTerms.from_dict(first)  # raises on anything missing, negative or not finite
     # NOTE: one part of a fit may come out 0 (the sizes' timings within noise of each other),
     # but a collective or an optimizer step is a measured time, never less than the smaller

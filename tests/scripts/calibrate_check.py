@@ -1,10 +1,11 @@
-"""Step-term calibration on 2 real gloo ranks: measured, read back from the cache, then measured
-again with the busy threshold above any share of a core (so that it is not cached).
+"""Step-term calibration on 2 real gloo ranks, the cache keeping 2 calibrations: measured and cached,
+measured again and taken with the cached one, read back, then measured with the busy threshold above
+any share of a core (so that it is not cached).
 
 Run as a script (it spawns its own 2 ranks):  python calibrate_check.py --out result.json
 The cache directory comes from ``OSDP_LIGHTNING_CACHE_DIR`` (the test points it at a temporary
-directory). Every rank writes its terms of the three calls to ``<out>.rank<r>.json``, and whether a
-the cache files there after the first and the third.
+directory). Every rank writes its terms of the four calls to ``<out>.rank<r>.json``, and the cache
+files there after the first and the fourth.
 """
 
 from __future__ import annotations
@@ -42,16 +43,21 @@ def run(rank: int, port: int, out: str) -> None:
             dist.barrier()  # rank 0 writes the cache
             return sorted(path.name for path in calibrate.cache_dir().glob("step_terms_*.json"))
 
-        first = calibrate.calibrate_step_terms(device, optimizer, meshes, ranks_per_node=WORLD, loop_step_s=1e-3)
+        def calibrated() -> dict:
+            terms = calibrate.calibrate_step_terms(device, optimizer, meshes, ranks_per_node=WORLD, loop_step_s=1e-3)
+            return terms.to_dict()
+
+        calibrate.CACHE_DRAWS = 2  # two calls fill the cache (3 by default)
+        first = calibrated()
         after_first = cached()
-        second = calibrate.calibrate_step_terms(device, optimizer, meshes, ranks_per_node=WORLD, loop_step_s=1e-3)
+        second, third = calibrated(), calibrated()
         if rank == 0:
             for path in calibrate.cache_dir().glob("step_terms_*.json"):
                 path.unlink()
         calibrate.BUSY_CPU_SHARE = 2.0  # every measurement now counts as made on a busy machine
-        third = calibrate.calibrate_step_terms(device, optimizer, meshes, ranks_per_node=WORLD, loop_step_s=1e-3)
-        result = {"first": first.to_dict(), "second": second.to_dict(), "third": third.to_dict(),
-                  "cached_after_first": after_first, "cached_after_third": cached()}
+        fourth = calibrated()
+        result = {"first": first, "second": second, "third": third, "fourth": fourth,
+                  "cached_after_first": after_first, "cached_after_fourth": cached()}
         Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
