@@ -31,6 +31,7 @@ from osdp_lightning.recipes.text import python_docs_corpus
 
 from benchmarks import compare_report
 from benchmarks.launch import run_ranks
+from osdp_lightning.calibrate import CACHE_DRAWS
 
 BASELINES = ("ddp", "fsdp2", "fsdp2-ckpt", "osdp-replicate", "zero2", "zero3", "osdp-default")
 """Runs without a budget: Lightning's DDP, osdp's uniform plans, osdp at its default budget (all fits)."""
@@ -48,6 +49,8 @@ PRESETS: dict[str, dict[str, int]] = {
     "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 4, "seq_len": 32, "batch_size": 2, "steps": 6},
     "cuda": {"n_layer": 12, "n_embd": 1024, "n_head": 16, "seq_len": 256, "batch_size": 8, "steps": 30},
 }
+WARM_STEPS = 3
+"""Steps of a warm-up launch (:func:`warm_calibrations`): it is there for its calibration."""
 MODEL_ARGS = ("n_layer", "n_embd", "n_head", "seq_len", "batch_size", "steps")
 CORPUS_FILE = "corpus.txt"
 
@@ -77,6 +80,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, name: str, run_timeout_s:
     """Launch and output options of the benchmarks that launch :func:`launch` runs (compare,
     regret); ``name`` names the output folder and the runs file."""
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--warm-calibrations", type=int, default=CACHE_DRAWS - 1,
+                        help="short launches that only fill the run's calibration cache first, so that the "
+                             f"measured runs are priced with the median of {CACHE_DRAWS} calibrations")
     parser.add_argument("--run-timeout-s", type=float, default=run_timeout_s)
     parser.add_argument("--out-dir", type=Path, default=Path(f"bench_out/{name}"))
     parser.add_argument("--no-plot", action="store_true")
@@ -163,6 +169,26 @@ def load_average() -> str:
         return "n/a"
 
 
+def warm_calibrations(settings: dict[str, int], args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    """``--warm-calibrations`` short launches before the measured runs, each calibrating into the
+    benchmark's cache. Without them the first runs are priced with one, then two calibrations, and
+    one calibration is more than 15% off for a block's FSDP2 work in 11-33% of launches
+    (docs/benchmarks.md, tenth session): one such draw sent a whole run's plans to leaf units. With
+    ``CACHE_DRAWS - 1`` of them the first measured run makes the last draw and every later one,
+    osdp's planning launches included, is priced with the median."""
+    if args.devices < 2:  # one process calibrates nothing
+        return []
+    short = {**settings, "steps": WARM_STEPS}
+    done = []
+    for i in range(args.warm_calibrations):
+        record = launch(PEAK_METHOD, None, short, args, work, f"calibrate_{i}")
+        source = (record.get("plan") or {}).get("step_terms_source", "")
+        done.append({"status": record["status"], "wall_s": round(record["wall_s"], 1), "step_terms_source": source})
+        print(f"calibration {i + 1}/{args.warm_calibrations}: {record['status']}, {source or '-'} "
+              f"[{record['wall_s']:.0f} s]", flush=True)
+    return done
+
+
 def run_all(args: argparse.Namespace, settings: dict[str, int], work: Path) -> tuple[list[dict], int]:
     """Every run of every round; returns the run records and the all-replicate peak in bytes."""
     fractions = tuple(float(f) for f in args.fractions.split(",") if f)
@@ -247,11 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         # NOTE: the default corpus is parsed from the stdlib's sources (seconds per process); every
         # run reads the same text from one file instead.
         (Path(tmp) / CORPUS_FILE).write_text(python_docs_corpus(), encoding="utf-8")
+        calibrations = warm_calibrations(settings, args, Path(tmp))
         runs, replicate_peak = run_all(args, settings, Path(tmp))
     params = next((r.get("param_count") for r in runs if r.get("param_count")), None)
     machine = describe_machine(args, settings, params)
     machine.update(load_average_start=load_start, load_average_end=load_average(),
-                   total_wall_s=round(time.perf_counter() - start, 1), replicate_peak_bytes=replicate_peak)
+                   total_wall_s=round(time.perf_counter() - start, 1), replicate_peak_bytes=replicate_peak,
+                   calibrations=calibrations)
     rows = compare_report.aggregate(runs, replicate_peak)
     text = compare_report.write_outputs(args.out_dir, machine, rows, runs, plot=not args.no_plot)
     print(text)

@@ -172,12 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown shapes {unknown}; known: {sorted(SHAPES)}")
     load_start, start = compare.load_average(), time.perf_counter()
     results: list[dict[str, Any]] = []
+    calibrations: list[dict[str, Any]] = []
 
     def machine(shapes_so_far: list[dict[str, Any]]) -> dict[str, Any]:
         described = compare.describe_machine(args, shapes_so_far[0]["settings"], None)
         described.update(command=" ".join(["python -m benchmarks.regret", *(sys.argv[1:] if argv is None else argv)]),
                          load_average_start=load_start, load_average_end=compare.load_average(),
-                         total_wall_s=round(time.perf_counter() - start, 1))
+                         total_wall_s=round(time.perf_counter() - start, 1), calibrations=calibrations)
         return described
 
     def save(shapes_so_far: list[dict[str, Any]]) -> None:
@@ -191,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             settings = {**compare.PRESETS[args.preset], **SHAPES[shape]}
             if args.steps is not None:
                 settings["steps"] = args.steps
+            if shape == shapes[0]:  # NOTE: every shape's planning launch is then priced with a median
+                calibrations += compare.warm_calibrations(settings, args, Path(tmp))
             results.append(run_shape(shape, settings, args, Path(tmp), lambda partial: save([*results, partial])))
     print(regret_report.write_outputs(args.out_dir, machine(results), results, plot=not args.no_plot))
     return 1 if any(r["status"] == "error" for shape in results for r in shape["runs"]) else 0

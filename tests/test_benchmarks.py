@@ -115,14 +115,19 @@ def test_setup_overhead_share() -> None:
 
 @pytest.mark.multiprocess
 def test_compare_smoke_two_ranks(tmp_path: Path) -> None:
-    """Lightning's ddp, osdp's uniform replicate, osdp at 90% of the latter's measured peak; tiny GPT,
-    one round (three 2-rank launches)."""
+    """A launch that only calibrates, then Lightning's ddp, osdp's uniform replicate, osdp at 90% of
+    the latter's measured peak; tiny GPT, one round (four 2-rank launches)."""
     cmd = [sys.executable, "-m", "benchmarks.compare", "--preset", "tiny", "--steps", "5", "--rounds", "1",
-           "--methods", "ddp,osdp-replicate,osdp", "--fractions", "0.9", "--out-dir", str(tmp_path), "--no-plot"]
+           "--methods", "ddp,osdp-replicate,osdp", "--fractions", "0.9", "--warm-calibrations", "1",
+           "--out-dir", str(tmp_path), "--no-plot"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    runs = json.loads((tmp_path / "compare_runs.json").read_text())["runs"]
+    saved = json.loads((tmp_path / "compare_runs.json").read_text())
+    # The warm-up calibrated into the empty cache the measured runs share; it is not a measured run.
+    assert [(c["status"], c["step_terms_source"]) for c in saved["machine"]["calibrations"]] == [
+        ("ok", "measured at setup")]
+    runs = saved["runs"]
     assert [(r["method"], r["fraction"], r["status"]) for r in runs] == [
         ("ddp", None, "ok"), ("osdp-replicate", None, "ok"), ("osdp", 0.9, "ok")]
     assert runs[0]["plan"] is None and runs[0]["choices"] == {"Lightning strategy=ddp": 1}
