@@ -1,7 +1,7 @@
 """A training summary: throughput, measured peak memory per rank, final loss.
 
-Peak bytes come from PyTorch's own trackers on CPU (``FSDPMemTracker`` for FSDP2 models,
-``MemTracker`` otherwise) over one whole training step (forward, backward, optimizer), and from
+Peak bytes come from PyTorch's own trackers on CPU (``FSDPMemTracker`` for models all of whose
+parameters FSDP2 manages, ``MemTracker`` otherwise) over one whole training step (forward, backward, optimizer), and from
 the CUDA allocator on GPUs. Throughput is the median step time after warm-up; the tracked step
 is left out of it because the tracker slows every operation down.
 """
@@ -169,13 +169,23 @@ def _start_tracking(trainer: pl.Trainer) -> contextlib.AbstractContextManager | 
     inner = next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
     if inner is not None and sum(1 for _ in inner.parameters()) == sum(1 for _ in model.parameters()):
         model = inner
-    if isinstance(model, FSDPModule) and not _has_grouped_modules(model):
+    if isinstance(model, FSDPModule) and not _has_grouped_modules(model) and not _has_plain_parameters(model):
         tracker = FSDPMemTracker(model, optimizer)
     else:
         tracker = MemTracker()
         tracker.track_external(model, *([optimizer] if optimizer else []))
     tracker.__enter__()
     return tracker
+
+
+def _has_plain_parameters(model: torch.nn.Module) -> bool:
+    """FSDPMemTracker counts only FSDP2's parameters: replicated ones (plain tensors on DDP's
+    reducer, which the root ignores) and their gradient buckets went uncounted. GPT 2 x 512, a plan
+    of replicated, zero2 and zero3 leaf units: 81.51 MiB under FSDPMemTracker, 87.69 under
+    MemTracker, which registers every parameter (87.38 predicted)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(not isinstance(p, DTensor) for p in model.parameters())
 
 
 def _has_grouped_modules(model: torch.nn.Module) -> bool:
