@@ -1,8 +1,8 @@
 """A training summary: throughput, measured peak memory per rank, final loss.
 
 Peak bytes come from PyTorch's own trackers on CPU (``FSDPMemTracker`` for models all of whose
-parameters FSDP2 manages, ``MemTracker`` otherwise) over one whole training step (forward, backward, optimizer), and from
-the CUDA allocator on GPUs. Throughput is the median step time after warm-up; the tracked step
+parameters FSDP2 manages, ``MemTracker`` otherwise) over one whole training step (forward,
+backward, optimizer), and from the CUDA allocator on GPUs. Throughput is the median step time after warm-up; the tracked step
 is left out of it because the tracker slows every operation down.
 """
 
