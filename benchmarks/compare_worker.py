@@ -26,7 +26,6 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 from osdp_lightning.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTLitModule
@@ -215,16 +214,15 @@ def _save_pricing(trainer: L.Trainer, path: Path) -> None:
 
 def main() -> None:
     args = build_parser().parse_args()
-    # NOTE: the hand-written FSDP2 leaves its groups referenced from the module's FSDP2 state, as
-    # osdp's would be: freed at exit while the interpreter is alive, not in its finalization (one
-    # hand-FSDP2 run of 21 ended in SIGABRT after a finished fit, eleventh session).
+    # NOTE: without destroying the group, multi-process runs abort at exit (-6); and the hand-written
+    # FSDP2 leaves its groups referenced from the module's FSDP2 state, as osdp's would be. The exit
+    # handler destroys the group and frees them while the interpreter is alive, not in its
+    # finalization (one hand-FSDP2 run of 21 ended in SIGABRT after a finished fit, eleventh session).
     release_at_exit()
     trainer, record = run(args)
     if trainer.global_rank == 0:
         Path(args.out).write_text(json.dumps(record, indent=1, default=str) + "\n")
         _save_pricing(trainer, Path(args.out).with_suffix(".pkl"))
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()  # without it, multi-process runs abort at exit (-6)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 Peak bytes come from PyTorch's own trackers on CPU (``FSDPMemTracker`` for models all of whose
 parameters FSDP2 manages, ``MemTracker`` otherwise) over one whole training step (forward,
-backward, optimizer), and from the CUDA allocator on GPUs. Throughput is the median step time after warm-up; the tracked step
-is left out of it because the tracker slows every operation down.
+backward, optimizer), and from the CUDA allocator on GPUs. Throughput is the median step time
+after warm-up; the tracked step is left out of it because the tracker slows every operation down.
 """
 
 from __future__ import annotations
