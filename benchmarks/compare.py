@@ -9,7 +9,7 @@ model, data and seed. ``ddp`` is Lightning's own ``strategy="ddp"`` (torch DDP),
 otherwise run: every "x ddp" ratio is against it. ``osdp-replicate`` (osdp's uniform replicate) goes
 first; its measured
 peak per rank sets the osdp budgets (``--fractions`` of it). Each method then runs once per round,
-the order reversed every other round, and rows report medians over rounds, so that drift of a
+the order rotated one place each round, and rows report medians over rounds, so that drift of a
 shared machine does not favour one method. Writes ``compare.md`` (tables), ``compare.csv`` (one
 row per method), ``compare_runs.csv`` (one row per run), ``compare_runs.json`` and ``compare.png``.
 """
@@ -141,17 +141,23 @@ def launch(method: str, budget: int | None, settings: dict[str, int], args: argp
     return record
 
 
-def alternate(jobs: list[Any], round_index: int) -> list[Any]:
-    """The jobs of one round: odd rounds run them in reverse, so drift of a shared machine favours none."""
-    return jobs if round_index % 2 == 0 else jobs[::-1]
+def rotate(jobs: list[Any], round_index: int) -> list[Any]:
+    """The jobs of one round, rotated one place further each round: over ``len(jobs)`` rounds every
+    job runs once in every position, so drift of a shared machine within a round favours none.
+    (Reversing every other round did not: with three jobs the middle one always ran second.)"""
+    if not jobs:
+        return jobs
+    shift = round_index % len(jobs)
+    return jobs[shift:] + jobs[:shift]
 
 
 def run_order(fractions: tuple[float, ...], methods: tuple[str, ...], round_index: int,
               hand_fractions: tuple[float, ...] = DEFAULT_FSDP2_FRACTIONS) -> list[tuple[str, float | None]]:
-    """Round 0 starts with osdp-replicate (its peak sets the budgets); odd rounds run in reverse order."""
+    """Round 0 starts with osdp-replicate (its peak sets the budgets) and runs the hand FSDP2 before
+    osdp at its peak; later rounds rotate that order."""
     jobs = [(m, None) for m in BASELINES if m in methods]
     jobs += [("osdp", f) for f in fractions] if "osdp" in methods else []
-    return alternate(jobs + hand_fsdp2_jobs(methods, hand_fractions), round_index)
+    return rotate(jobs + hand_fsdp2_jobs(methods, hand_fractions), round_index)
 
 
 def hand_fsdp2_jobs(methods: tuple[str, ...], fractions: tuple[float, ...] = DEFAULT_FSDP2_FRACTIONS

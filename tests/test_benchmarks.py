@@ -75,10 +75,15 @@ def test_outputs_are_written(tmp_path: Path) -> None:
     assert len(json.loads((tmp_path / "compare_runs.json").read_text())["runs"]) == len(runs)
 
 
-def test_round_order_starts_with_ddp_and_alternates() -> None:
+def test_round_order_starts_with_ddp_and_puts_every_run_in_every_position() -> None:
     first = compare.run_order((1.0, 0.5), ("ddp", "zero3", "osdp"), 0)
     assert first == [("ddp", None), ("zero3", None), ("osdp", 1.0), ("osdp", 0.5)]
-    assert compare.run_order((1.0, 0.5), ("ddp", "zero3", "osdp"), 1) == first[::-1]
+    assert compare.run_order((1.0, 0.5), ("ddp", "zero3", "osdp"), 1) == first[1:] + first[:1]
+    rounds = [compare.run_order((1.0, 0.5), ("ddp", "zero3", "osdp"), r) for r in range(4)]
+    for job in first:
+        assert sorted(order.index(job) for order in rounds) == [0, 1, 2, 3]
+    hand = compare.run_order((), ("fsdp2", "zero3", "osdp"), 0)
+    assert hand.index(("fsdp2", None)) < hand.index(("osdp-at-fsdp2", 1.0))  # its peak sets that budget
 
 
 def test_one_device_runs_ddp_and_osdp_above_its_peak() -> None:
