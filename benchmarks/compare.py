@@ -153,8 +153,9 @@ def rotate(jobs: list[Any], round_index: int) -> list[Any]:
 
 def run_order(fractions: tuple[float, ...], methods: tuple[str, ...], round_index: int,
               hand_fractions: tuple[float, ...] = DEFAULT_FSDP2_FRACTIONS) -> list[tuple[str, float | None]]:
-    """Round 0 starts with osdp-replicate (its peak sets the budgets) and runs the hand FSDP2 before
-    osdp at its peak; later rounds rotate that order."""
+    """The runs of one round: the baselines in ``BASELINES`` order, osdp at each fraction, then osdp at
+    fractions of the hand FSDP2's peak, which round 0's fsdp2 run measures before them (osdp-replicate,
+    whose peak sets the other budgets, is launched before any round). Later rounds rotate this order."""
     jobs = [(m, None) for m in BASELINES if m in methods]
     jobs += [("osdp", f) for f in fractions] if "osdp" in methods else []
     return rotate(jobs + hand_fsdp2_jobs(methods, hand_fractions), round_index)
