@@ -40,11 +40,12 @@ def release_at_exit(strategy: Any | None = None) -> None:
     if strategy is not None:
         _STRATEGIES.add(strategy)
     if not _registered:
-        atexit.register(_release)
+        atexit.register(release_now)
         _registered = True
 
 
-def _release() -> None:
+def release_now() -> None:
+    """Release every registered strategy's process-group holders and the default group, now."""
     for strategy in list(_STRATEGIES):
         strategy.release_process_groups()
     if dist.is_available() and dist.is_initialized():

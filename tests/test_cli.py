@@ -7,7 +7,9 @@ the error paths run in one process.
 from __future__ import annotations
 
 import csv
+import importlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -27,6 +29,26 @@ def run_cli(command: str, *args: str, cwd: Path, timeout_s: float = 600) -> subp
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", f"osdp_lightning.cli.{command}", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout_s)
+
+
+def run_cli_here(command: str, *args: str, cwd: Path, monkeypatch: pytest.MonkeyPatch,
+                 capsys: pytest.CaptureFixture) -> tuple[object, str]:
+    """The console script's ``main()`` in this process, for errors raised before any training: its
+    exit code and what it wrote to stderr. Hydra's logging set-up is undone afterwards."""
+    module = importlib.import_module(f"osdp_lightning.cli.{command}")
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", [f"osdp-{command}", *args])
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            module.main()
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    code = exit_.value.code
+    # a SystemExit with a message prints it to stderr when the interpreter exits: here, take it as said
+    return code, capsys.readouterr().err + (code if isinstance(code, str) else "")
 
 
 def only_dir(parent: Path) -> Path:
@@ -105,27 +127,32 @@ def test_osdp_plan_compares_osdp_with_the_baselines(tmp_path: Path) -> None:
         assert (run_dir / name).exists()
 
 
-def test_unknown_model_lists_the_available_ones(tmp_path: Path) -> None:
-    proc = run_cli("train", "model=gpt_huge", cwd=tmp_path)
-    assert proc.returncode != 0
-    assert "Could not find 'model/gpt_huge'" in proc.stderr
-    assert "gpt_tiny" in proc.stderr and "t5_large" in proc.stderr
+def test_unknown_model_lists_the_available_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture) -> None:
+    code, err = run_cli_here("train", "model=gpt_huge", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert code != 0
+    assert "Could not find 'model/gpt_huge'" in err
+    assert "gpt_tiny" in err and "t5_large" in err
 
 
-def test_unknown_cluster_lists_the_available_ones(tmp_path: Path) -> None:
-    proc = run_cli("plan", "cluster=tpu_v5", cwd=tmp_path)
-    assert proc.returncode != 0
-    assert "Could not find 'cluster/tpu_v5'" in proc.stderr and "h100_80g_x8x2" in proc.stderr
+def test_unknown_cluster_lists_the_available_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    code, err = run_cli_here("plan", "cluster=tpu_v5", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert code != 0
+    assert "Could not find 'cluster/tpu_v5'" in err and "h100_80g_x8x2" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 @pytest.mark.parametrize("command", ["train", "plan"])
-def test_a_gpu_cluster_is_refused_here_with_a_clear_message(command: str, tmp_path: Path) -> None:
+def test_a_gpu_cluster_is_refused_here_with_a_clear_message(command: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture) -> None:
     # NOTE: osdp-plan plans a GPU cluster it does not have as a dry run unless told not to.
     extra = ["dry_run=false"] if command == "plan" else []
-    proc = run_cli(command, "model=gpt_tiny", "cluster=a100_40g_x8", *extra, cwd=tmp_path)
-    assert proc.returncode != 0
-    assert "cluster=a100_40g_x8 is 8 GPUs" in proc.stderr and "cluster=cpu_2" in proc.stderr
+    code, err = run_cli_here(command, "model=gpt_tiny", "cluster=a100_40g_x8", *extra, cwd=tmp_path,
+                             monkeypatch=monkeypatch, capsys=capsys)
+    assert code != 0
+    assert "cluster=a100_40g_x8 is 8 GPUs" in err and "cluster=cpu_2" in err
 
 
 def test_sweep_jobs_keep_the_config_flags_of_the_command_line() -> None:

@@ -32,18 +32,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_two_nodes(tmp_path: Path, name: str, *args: str, timeout_s: float = 300) -> list[dict]:
-    """Run hsdp_train.py as 2 nodes x 2 ranks; return every rank's result."""
-    out, port = tmp_path / f"{name}.json", _free_port()
+def launch_two_nodes(tmp_path: Path, runs: list[dict], timeout_s: float = 300) -> dict[str, list[dict]]:
+    """Run hsdp_train.py's ``runs`` as 2 nodes x 2 ranks (one launch); every rank's result by run."""
+    out, port = tmp_path / "result", _free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", f"--node-rank={node}",
-         "--master-addr=127.0.0.1", f"--master-port={port}", str(SCRIPT), *args, "--out", str(out)],
+         "--master-addr=127.0.0.1", f"--master-port={port}", str(SCRIPT), "--runs", json.dumps(runs),
+         "--out", str(out)],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
     logs = [proc.communicate(timeout=timeout_s)[0] for proc in procs]
     for node, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        assert proc.returncode == 0, f"{name}: node {node} failed:\n{log[-6000:]}"
-    return json.loads(out.read_text())
+        assert proc.returncode == 0, f"node {node} failed:\n{log[-6000:]}"
+    return {run["name"]: json.loads(Path(f"{out}.{run['name']}.json").read_text()) for run in runs}
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """One launch of two nodes: a given mixed group plan, Lightning's DDP, and a plan the strategy solves."""
+    tmp_path = tmp_path_factory.mktemp("two_nodes")
+    mixed_group_plan(tmp_path / "plan.json")
+    return launch_two_nodes(tmp_path, [{"name": "hsdp", "strategy": "osdp", "plan": str(tmp_path / "plan.json")},
+                                       {"name": "ddp", "strategy": "ddp"},
+                                       {"name": "solved", "strategy": "osdp", "budget": "3MiB"}])
 
 
 def mixed_group_plan(path: Path) -> None:
@@ -57,11 +68,8 @@ def mixed_group_plan(path: Path) -> None:
     dataclasses.replace(plan, units=units).save(path)
 
 
-def test_hsdp_across_two_nodes_matches_ddp(tmp_path: Path) -> None:
-    plan_path = tmp_path / "plan.json"
-    mixed_group_plan(plan_path)
-    hsdp = launch_two_nodes(tmp_path, "hsdp", "--strategy", "osdp", "--plan", str(plan_path))
-    ddp = launch_two_nodes(tmp_path, "ddp", "--strategy", "ddp")
+def test_hsdp_across_two_nodes_matches_ddp(two_nodes: dict[str, list[dict]]) -> None:
+    hsdp, ddp = two_nodes["hsdp"], two_nodes["ddp"]
     for ours, reference in zip(hsdp, ddp, strict=True):
         assert len(ours["losses"]) == len(reference["losses"]) == 5
         for a, b in zip(ours["losses"], reference["losses"], strict=True):
@@ -75,8 +83,8 @@ def test_hsdp_across_two_nodes_matches_ddp(tmp_path: Path) -> None:
         assert result["inter_bandwidth_bytes_per_s"] > 0 and result["intra_bandwidth_bytes_per_s"] > 0
 
 
-def test_strategy_solves_a_two_node_run_from_live_timings(tmp_path: Path) -> None:
-    results = launch_two_nodes(tmp_path, "solved", "--strategy", "osdp", "--budget", "3MiB")
+def test_strategy_solves_a_two_node_run_from_live_timings(two_nodes: dict[str, list[dict]]) -> None:
+    results = two_nodes["solved"]
     plans = [r["plan"] for r in results]
     assert all(plan == plans[0] for plan in plans)  # one plan, broadcast from rank 0
     assert plans[0]["world_size"] == 4 and plans[0]["predicted_peak_bytes"] <= 3 * 2**20

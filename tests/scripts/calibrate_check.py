@@ -2,7 +2,8 @@
 measured again and taken with the cached one, read back, then measured with the busy threshold above
 any share of a core (so that it is not cached).
 
-Run as a script (it spawns its own 2 ranks):  python calibrate_check.py --out result.json
+Run as a script (it spawns its own 2 ranks unless a launcher started them):
+    python calibrate_check.py --out result.json
 The cache directory comes from ``OSDP_LIGHTNING_CACHE_DIR`` (the test points it at a temporary
 directory). Every rank writes its terms of the four calls to ``<out>.rank<r>.json``, and the cache
 files there after the first and the fourth.
@@ -67,7 +68,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    mp.spawn(run, args=(free_port(), args.out), nprocs=WORLD)
+    if "RANK" in os.environ:  # started by a launcher (the test suite's rank pool, torchrun)
+        run(int(os.environ["RANK"]), int(os.environ["MASTER_PORT"]), args.out)
+    else:
+        mp.spawn(run, args=(free_port(), args.out), nprocs=WORLD)
 
 
 if __name__ == "__main__":

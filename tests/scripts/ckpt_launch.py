@@ -2,19 +2,23 @@
 
 Output goes to a log file rather than a pipe (a rank that outlives the launcher would keep a pipe
 open and block the reader), and the script runs in its own session so that on timeout every
-process it started is killed with it. :func:`run_ranks` starts every rank at once, as torchrun does
-(:mod:`benchmarks.launch`).
+process it started is killed with it. :func:`run_ranks` runs every rank at once, as torchrun does,
+in ranks started once for the whole test session (:mod:`rank_pool`).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from rank_pool import RankPool
 
 from benchmarks import launch
 
@@ -62,12 +66,34 @@ def run_logged(args: list[str], log_path: Path, timeout_s: float, cwd: Path | No
 
 
 def run_ranks(args: list[str], log_path: Path, timeout_s: float, cwd: Path | None = None,
-              env: dict[str, str] | None = None, ranks: int = 2) -> Finished:
-    """Run ``python <args>`` on ``ranks`` ranks started together (:func:`benchmarks.launch.run_ranks`)."""
+              env: dict[str, str] | None = None, ranks: int = 2, isolated: bool = False) -> Finished:
+    """Run ``python <args>`` on ``ranks`` ranks started together.
+
+    Two ranks run in the session's :class:`rank_pool.RankPool` (started once, reused by every
+    scenario); ``isolated=True`` (a script that measures its process's memory, or whose env must be
+    there at interpreter start) or another rank count starts fresh processes
+    (:func:`benchmarks.launch.run_ranks`), and so does every launch under ``OSDP_TEST_POOL=0``.
+    """
     start = time.monotonic()
-    code = launch.run_ranks([sys.executable, *args], log_path, timeout_s, env={**os.environ, **(env or {})},
-                            ranks=ranks, cwd=cwd or SCRIPTS)
+    full_env = {**os.environ, **(env or {})}
+    if ranks == 2 and not isolated and os.environ.get("OSDP_TEST_POOL", "1") != "0":
+        code = pool().run(list(args), log_path, timeout_s, cwd=cwd or SCRIPTS, env=full_env)
+    else:
+        code = launch.run_ranks([sys.executable, *args], log_path, timeout_s, env=full_env, ranks=ranks,
+                                cwd=cwd or SCRIPTS)
     return Finished(-9 if code == "timeout" else int(code), time.monotonic() - start, log_path.read_text(), [])
+
+
+_POOL: RankPool | None = None
+
+
+def pool() -> RankPool:
+    """This process's pool of 2 ranks, started on first use and killed at exit."""
+    global _POOL
+    if _POOL is None:
+        _POOL = RankPool(Path(tempfile.mkdtemp(prefix="osdp-rank-pool-")))
+        atexit.register(_POOL.close)
+    return _POOL
 
 
 def session_members(session_id: int) -> list[int]:

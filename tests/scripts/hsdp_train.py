@@ -3,14 +3,16 @@
 Started once per node by ``torchrun`` (see ``tests/test_hsdp_multinode.py``)::
 
     python -m torch.distributed.run --nnodes=2 --nproc-per-node=2 --node-rank=0 \\
-        --master-addr=127.0.0.1 --master-port=29533 hsdp_train.py --strategy osdp --plan plan.json --out r.json
+        --master-addr=127.0.0.1 --master-port=29533 hsdp_train.py --out r \
+        --runs '[{"name": "hsdp", "strategy": "osdp", "plan": "plan.json"}, {"name": "ddp", "strategy": "ddp"}]'
 
-Lightning sees torchrun's environment (``num_nodes=2``, ``devices=2``). With ``--strategy osdp``
-the given plan is applied (it may hold ``hsdp(g=2)`` and ``zero3(reshard=2)`` units), or without
-one the strategy times the links inside and across the nodes and solves its own; with
-``--strategy ddp`` Lightning's own DDP trains the same model on the same data as the reference.
-Rank 0 writes every rank's losses, its node, the ranks its hsdp shard group holds, and the
-collective timings measured inside and across the nodes.
+Lightning sees torchrun's environment (``num_nodes=2``, ``devices=2``). The runs train one after
+another in the one process group of the launch (starting 6 interpreters costs more than a run).
+With ``"strategy": "osdp"`` the given plan is applied (it may hold ``hsdp(g=2)`` and
+``zero3(reshard=2)`` units), or without one the strategy times the links inside and across the
+nodes and solves its own; with ``"ddp"`` Lightning's own DDP trains the same model on the same data
+as the reference. Rank 0 writes every rank's losses, its node, the ranks its hsdp shard group holds,
+and the collective timings measured inside and across the nodes.
 """
 
 from __future__ import annotations
@@ -47,18 +49,25 @@ def hsdp_shard_groups(module: torch.nn.Module, plan_units: list[dict]) -> dict[s
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="mlp", choices=sorted(MODELS))
-    parser.add_argument("--strategy", default="osdp", choices=["osdp", "ddp"])
-    parser.add_argument("--plan", default=None, help="plan JSON to apply (default: the strategy solves)")
-    parser.add_argument("--budget", default=None, help="memory budget when the strategy solves")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--runs", required=True,
+                        help='JSON list of runs, each {"name", "strategy": "osdp"|"ddp", "plan"?, "budget"?, '
+                             '"model"?, "steps"?}, trained one after another in one process group')
+    parser.add_argument("--out", required=True, help="rank 0 writes <out>.<name>.json for each run")
     args = parser.parse_args()
+    for run in json.loads(args.runs):
+        gathered = fit(run)
+        if dist.get_rank() == 0:
+            Path(f"{args.out}.{run['name']}.json").write_text(json.dumps(gathered, indent=1))
+    dist.destroy_process_group()
 
+
+def fit(run: dict) -> list[dict]:
+    """Train one run (the process group of an earlier run is reused); every rank's result."""
     L.seed_everything(0, workers=True)
-    model = MODELS[args.model]()
-    strategy = OSDPStrategy(plan=args.plan, memory_budget=args.budget) if args.strategy == "osdp" else "ddp"
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, num_nodes=2, max_steps=args.steps,
+    model = MODELS[run.get("model", "mlp")]()
+    osdp = run["strategy"] == "osdp"
+    strategy = OSDPStrategy(plan=run.get("plan"), memory_budget=run.get("budget")) if osdp else "ddp"
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, num_nodes=2, max_steps=run.get("steps", 5),
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, deterministic=True)
     trainer.fit(model)
@@ -77,11 +86,9 @@ def main() -> None:
               "inter_latency_s": timings.inter_latency_s}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
-    if trainer.global_rank == 0:
-        Path(args.out).write_text(json.dumps(gathered, indent=1))
-        if plan is not None:
-            print(plan.format_table())
-    dist.destroy_process_group()
+    if trainer.global_rank == 0 and plan is not None:
+        print(plan.format_table())
+    return gathered
 
 
 if __name__ == "__main__":

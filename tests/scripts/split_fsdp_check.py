@@ -1,6 +1,7 @@
 """SplitLinear under FSDP2 on 2 gloo ranks: training, checkpoints and memory.
 
-Run as a script (it spawns its own 2 ranks):  python split_fsdp_check.py [--out result.json]
+Run as a script (it spawns its own 2 ranks unless a launcher started them):
+    python split_fsdp_check.py [--out result.json]
 
 1. losses of a model with two split Linears (mixed sharded/replicated slices, uneven rows)
    match a single-process plain-Linear reference (relative difference < 1e-4);
@@ -221,4 +222,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    mp.spawn(run, args=(free_port(), args.out), nprocs=WORLD)
+    if "RANK" in os.environ:  # started by a launcher (the test suite's rank pool, torchrun)
+        run(int(os.environ["RANK"]), int(os.environ["MASTER_PORT"]), args.out)
+    else:
+        mp.spawn(run, args=(free_port(), args.out), nprocs=WORLD)
