@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_script
+from ckpt_launch import run_ranks, script
 
 from osdp_lightning import calibrate
 from osdp_lightning.calibrate import (
@@ -142,8 +142,9 @@ def test_calibration_on_two_ranks_is_positive_identical_and_cached_unless_busy(t
     again and taken with the cached one (their median); read back (the median of the two); and,
     with the busy threshold above any share of a core, measured and not cached."""
     out = tmp_path / "calib"
-    proc = run_script("calibrate_check.py", "--out", str(out), cwd=tmp_path, env={CACHE_ENV: str(tmp_path / "cache")})
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    done = run_ranks([script("calibrate_check.py"), "--out", str(out)], tmp_path / "log", 240, cwd=tmp_path,
+                     env={CACHE_ENV: str(tmp_path / "cache")})
+    assert done.returncode == 0, done.log[-9000:]
     ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
     first, second, third, fourth = (ranks[0][k] for k in ("first", "second", "third", "fourth"))
     assert ranks[1] == ranks[0], "ranks calibrated different terms"
@@ -161,7 +162,7 @@ def test_calibration_on_two_ranks_is_positive_identical_and_cached_unless_busy(t
         assert ranks[0]["cached_after_first"] == []
     assert fourth["source"] == "measured at setup"
     assert ranks[0]["cached_after_fourth"] == [], "terms measured on a busy machine were cached"
-    assert "step terms not cached: the machine was busy" in proc.stdout + proc.stderr
+    assert "step terms not cached: the machine was busy" in done.log
     terms = StepTerms.from_dict(first)  # raises on anything missing, negative or not finite
     # NOTE: one part of a fit may come out 0 (the sizes' timings within noise of each other),
     # but a collective or an optimizer step is a measured time, never less than the smaller

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_script
+from ckpt_launch import run_ranks, script
 from torch import nn
 
 from osdp_lightning.choices import choice_cost, split_choice
@@ -215,8 +215,8 @@ def test_split_transient_falls_with_k() -> None:
 @pytest.mark.multiprocess
 def test_split_linear_under_fsdp2_on_two_ranks(tmp_path: Path) -> None:
     out = tmp_path / "split.json"
-    proc = run_script("split_fsdp_check.py", "--out", str(out), cwd=tmp_path)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    done = run_ranks([script("split_fsdp_check.py"), "--out", str(out)], tmp_path / "log", 240, cwd=tmp_path)
+    assert done.returncode == 0, done.log[-9000:]
     result = json.loads(out.read_text())
     assert result["training"]["max_rel_diff"] < 1e-4
     assert result["checkpoints"]["keys"] == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
