@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import json
+import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,6 +35,43 @@ def run_script(script: str, *args: str, cwd: Path, timeout_s: float = 240,
     proc = subprocess.run([sys.executable, str(SCRIPTS / script), *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout_s)
     return proc
+
+
+@dataclass(frozen=True)
+class CliRun:
+    """What an entry point's ``main()`` did in this process, in the terms of a finished process."""
+    returncode: int | str | None
+    stdout: str
+    stderr: str
+
+
+CliHere = Callable[..., CliRun]
+
+
+@pytest.fixture
+def cli_here(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> CliHere:
+    """``cli_here(command, *args, cwd=...)`` runs ``osdp_lightning.cli.<command>.main()`` with those
+    arguments in this process and returns its exit code and output; Hydra's logging set-up is undone."""
+
+    def _run(command: str, *args: str, cwd: Path) -> CliRun:
+        module = importlib.import_module(f"osdp_lightning.cli.{command}")
+        monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", [f"osdp-{command}", *args])
+        root = logging.getLogger()
+        handlers, level = list(root.handlers), root.level
+        code: int | str | None = 0
+        try:
+            module.main()
+        except SystemExit as exit_:
+            code = exit_.code
+        finally:
+            root.handlers[:] = handlers
+            root.setLevel(level)
+        out = capsys.readouterr()
+        # a SystemExit with a message prints it to stderr when the interpreter exits: here, as if it did
+        return CliRun(code, out.out, out.err + (code if isinstance(code, str) else ""))
+
+    return _run
 
 
 # Lightning DDP reference runs of this session by argument list: several tests compare their plans

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from ckpt_launch import run_ranks_in_pool
 
 from benchmarks import compare, compare_fit, compare_report, setup_overhead
 from benchmarks.compare_worker import _SMALLEST_RE
@@ -119,15 +117,14 @@ def test_setup_overhead_share() -> None:
 
 
 @pytest.mark.multiprocess
-def test_compare_smoke_two_ranks(tmp_path: Path) -> None:
+def test_compare_smoke_two_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A launch that only calibrates, then Lightning's ddp, osdp's uniform replicate, osdp at 90% of
-    the latter's measured peak; tiny GPT, one round (four 2-rank launches)."""
-    cmd = [sys.executable, "-m", "benchmarks.compare", "--preset", "tiny", "--steps", "5", "--rounds", "1",
-           "--methods", "ddp,osdp-replicate,osdp", "--fractions", "0.9", "--warm-calibrations", "1",
-           "--out-dir", str(tmp_path), "--no-plot"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    the latter's measured peak; tiny GPT, one round (four 2-rank launches, in the test suite's ranks)."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(compare, "run_ranks", run_ranks_in_pool)
+    code = compare.main(["--preset", "tiny", "--steps", "5", "--rounds", "1", "--methods", "ddp,osdp-replicate,osdp",
+                         "--fractions", "0.9", "--warm-calibrations", "1", "--out-dir", str(tmp_path), "--no-plot"])
+    assert code == 0
     saved = json.loads((tmp_path / "compare_runs.json").read_text())
     # The warm-up calibrated into the empty cache the measured runs share; it is not a measured run.
     assert [(c["status"], c["step_terms_source"]) for c in saved["machine"]["calibrations"]] == [

@@ -1,15 +1,14 @@
 """The entry points end to end, as a user runs them: a fresh process in a temporary directory.
 
-``osdp-train`` and a sweep start 2 gloo ranks each (marked ``multiprocess``); ``osdp-plan`` and
-the error paths run in one process.
+``osdp-train`` and a sweep start 2 gloo ranks each (marked ``multiprocess``), as a user's command
+does; ``osdp-plan`` and the configuration errors run their ``main()`` in this process
+(``cli_here``), since starting an interpreter for them would only import torch again.
 """
 
 from __future__ import annotations
 
 import csv
-import importlib
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CliHere, CliRun
 
 from osdp_lightning.budget import PLAN_HEADROOM_FRACTION
 
@@ -31,46 +31,26 @@ def run_cli(command: str, *args: str, cwd: Path, timeout_s: float = 600) -> subp
                           capture_output=True, text=True, timeout=timeout_s)
 
 
-def run_cli_here(command: str, *args: str, cwd: Path, monkeypatch: pytest.MonkeyPatch,
-                 capsys: pytest.CaptureFixture) -> tuple[object, str]:
-    """The console script's ``main()`` in this process, for errors raised before any training: its
-    exit code and what it wrote to stderr. Hydra's logging set-up is undone afterwards."""
-    module = importlib.import_module(f"osdp_lightning.cli.{command}")
-    monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", [f"osdp-{command}", *args])
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        with pytest.raises(SystemExit) as exit_:
-            module.main()
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    code = exit_.value.code
-    # a SystemExit with a message prints it to stderr when the interpreter exits: here, take it as said
-    return code, capsys.readouterr().err + (code if isinstance(code, str) else "")
-
-
 def only_dir(parent: Path) -> Path:
     (found,) = [p for p in parent.iterdir() if p.is_dir()]
     return found
 
 
-def check_ok(proc: subprocess.CompletedProcess) -> None:
+def check_ok(proc: subprocess.CompletedProcess | CliRun) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
 
 
-def plan_gpt_tiny(cwd: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
-    """``osdp-plan model=gpt_tiny cluster=cpu_2 ...``; returns the process and its output directory."""
-    proc = run_cli("plan", "model=gpt_tiny", "cluster=cpu_2", *overrides, "hydra.run.dir=plan_run", cwd=cwd)
-    check_ok(proc)
-    return proc, cwd / "plan_run"
+def plan_gpt_tiny(cli_here: CliHere, cwd: Path, *overrides: str) -> tuple[CliRun, Path]:
+    """``osdp-plan model=gpt_tiny cluster=cpu_2 ...`` (in this process); the run and its output directory."""
+    run = cli_here("plan", "model=gpt_tiny", "cluster=cpu_2", *overrides, "hydra.run.dir=plan_run", cwd=cwd)
+    check_ok(run)
+    return run, cwd / "plan_run"
 
 
 @pytest.mark.multiprocess
-def test_osdp_train_under_a_budget_ddp_exceeds(tmp_path: Path) -> None:
+def test_osdp_train_under_a_budget_ddp_exceeds(tmp_path: Path, cli_here: CliHere) -> None:
     """Plan first to learn the ddp and zero3 peaks, then train with a budget between them."""
-    _, plan_dir = plan_gpt_tiny(tmp_path, "strategy.split_factors=[]")
+    _, plan_dir = plan_gpt_tiny(cli_here, tmp_path, "strategy.split_factors=[]")
     peaks = {r["strategy"]: r["predicted_peak_bytes"] for r in json.loads((plan_dir / "comparison.json").read_text())["rows"]}
     assert peaks["zero3"] < peaks["ddp"]
     # Plans keep a share of the budget free (the CPU default headroom): a budget whose usable part
@@ -112,8 +92,8 @@ def test_sweep_runs_every_recipe_with_osdp_and_summarises(tmp_path: Path) -> Non
         assert (sweep_dir / job / "csv" / "metrics.csv").exists() and (sweep_dir / job / "plan.json").exists()
 
 
-def test_osdp_plan_compares_osdp_with_the_baselines(tmp_path: Path) -> None:
-    proc, run_dir = plan_gpt_tiny(tmp_path)
+def test_osdp_plan_compares_osdp_with_the_baselines(tmp_path: Path, cli_here: CliHere) -> None:
+    proc, run_dir = plan_gpt_tiny(cli_here, tmp_path)
     for name in ("| osdp |", "| ddp |", "| zero2 |", "| zero3 |", "predicted peak per rank"):
         assert name in proc.stdout
     rows = {r["strategy"]: r for r in json.loads((run_dir / "comparison.json").read_text())["rows"]}
@@ -127,32 +107,28 @@ def test_osdp_plan_compares_osdp_with_the_baselines(tmp_path: Path) -> None:
         assert (run_dir / name).exists()
 
 
-def test_unknown_model_lists_the_available_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                capsys: pytest.CaptureFixture) -> None:
-    code, err = run_cli_here("train", "model=gpt_huge", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
-    assert code != 0
-    assert "Could not find 'model/gpt_huge'" in err
-    assert "gpt_tiny" in err and "t5_large" in err
+def test_unknown_model_lists_the_available_ones(tmp_path: Path, cli_here: CliHere) -> None:
+    run = cli_here("train", "model=gpt_huge", cwd=tmp_path)
+    assert run.returncode != 0
+    assert "Could not find 'model/gpt_huge'" in run.stderr
+    assert "gpt_tiny" in run.stderr and "t5_large" in run.stderr
 
 
-def test_unknown_cluster_lists_the_available_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture) -> None:
-    code, err = run_cli_here("plan", "cluster=tpu_v5", cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
-    assert code != 0
-    assert "Could not find 'cluster/tpu_v5'" in err and "h100_80g_x8x2" in err
+def test_unknown_cluster_lists_the_available_ones(tmp_path: Path, cli_here: CliHere) -> None:
+    run = cli_here("plan", "cluster=tpu_v5", cwd=tmp_path)
+    assert run.returncode != 0
+    assert "Could not find 'cluster/tpu_v5'" in run.stderr and "h100_80g_x8x2" in run.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 @pytest.mark.parametrize("command", ["train", "plan"])
 def test_a_gpu_cluster_is_refused_here_with_a_clear_message(command: str, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch,
-                                                            capsys: pytest.CaptureFixture) -> None:
+                                                            cli_here: CliHere) -> None:
     # NOTE: osdp-plan plans a GPU cluster it does not have as a dry run unless told not to.
     extra = ["dry_run=false"] if command == "plan" else []
-    code, err = run_cli_here(command, "model=gpt_tiny", "cluster=a100_40g_x8", *extra, cwd=tmp_path,
-                             monkeypatch=monkeypatch, capsys=capsys)
-    assert code != 0
-    assert "cluster=a100_40g_x8 is 8 GPUs" in err and "cluster=cpu_2" in err
+    run = cli_here(command, "model=gpt_tiny", "cluster=a100_40g_x8", *extra, cwd=tmp_path)
+    assert run.returncode != 0
+    assert "cluster=a100_40g_x8 is 8 GPUs" in run.stderr and "cluster=cpu_2" in run.stderr
 
 
 def test_sweep_jobs_keep_the_config_flags_of_the_command_line() -> None:

@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
+from conftest import CliHere
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: osdp-plan profiles for real")
-def test_osdp_plan_dry_runs_a_two_node_gpu_cluster(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "osdp_lightning.cli.plan", "model=gpt_small",
-                           "cluster=h100_80g_x8x2", "cluster.memory_budget=4GiB", f"hydra.run.dir={tmp_path}"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+def test_osdp_plan_dry_runs_a_two_node_gpu_cluster(tmp_path: Path, cli_here: CliHere) -> None:
+    proc = cli_here("plan", "model=gpt_small", "cluster=h100_80g_x8x2", "cluster.memory_budget=4GiB",
+                    f"hydra.run.dir={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "DRY RUN: estimated from the cluster description, no GPU used" in out

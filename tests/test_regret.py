@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from ckpt_launch import run_ranks_in_pool
 
 from benchmarks import compare, regret, regret_report
 from benchmarks.regret_candidates import (
@@ -114,9 +115,11 @@ def test_outputs_are_written(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_ranks_a_slow_plan_below_all_replicate(tmp_path: Path) -> None:
+def test_ranks_a_slow_plan_below_all_replicate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny GPT: all-replicate, osdp's plan and all-zero3 with every Linear split in 8 sharded
     slices (24 collectives per Linear), one round on 2 ranks; the slow plan must rank last."""
+    monkeypatch.chdir(Path(compare.__file__).parents[1])  # the benchmark's workers run from the checkout
+    monkeypatch.setattr(compare, "run_ranks", run_ranks_in_pool)
     (tmp_path / compare.CORPUS_FILE).write_text(Path(compare.__file__).read_text() * 20, encoding="utf-8")
     args = argparse.Namespace(accelerator="cpu", devices=2, seed=0, run_timeout_s=900.0)
     settings = {**compare.PRESETS["tiny"], "steps": 5}

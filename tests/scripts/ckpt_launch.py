@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +83,15 @@ def run_ranks(args: list[str], log_path: Path, timeout_s: float, cwd: Path | Non
         code = launch.run_ranks([sys.executable, *args], log_path, timeout_s, env=full_env, ranks=ranks,
                                 cwd=cwd or SCRIPTS)
     return Finished(-9 if code == "timeout" else int(code), time.monotonic() - start, log_path.read_text(), [])
+
+
+def run_ranks_in_pool(cmd: list[str], log_path: Path, timeout_s: float, env: Mapping[str, str] | None = None,
+                      ranks: int = 2, cwd: Path | None = None, grace_s: float = 30.0) -> int | str:
+    """:func:`benchmarks.launch.run_ranks` (same arguments and result), its 2 ranks in the pool: what a
+    test patches into a benchmark so that its runs skip starting interpreters."""
+    assert cmd[0] == sys.executable and ranks == 2, (cmd[:3], ranks)
+    return pool().run(cmd[1:], log_path, timeout_s, cwd=cwd or Path.cwd(), env=dict(env or os.environ),
+                      grace_s=grace_s)
 
 
 _POOL: RankPool | None = None

@@ -29,6 +29,8 @@ import torch.distributed as dist
 import osdp_lightning  # noqa: F401  (registers "osdp")
 from osdp_lightning import shutdown
 
+REPOSITORY = Path(__file__).resolve().parents[2]
+
 
 class FreshState:
     """Process-wide state as it is before any scenario, put back with :meth:`restore`."""
@@ -44,7 +46,8 @@ class FreshState:
         self.deterministic = torch.are_deterministic_algorithms_enabled()
         self.dtype = torch.get_default_dtype()
         self.dist_attrs = dict(vars(dist))
-        self.package_attrs = {name: dict(vars(module)) for name, module in _package_modules().items()}
+        self.package_modules = _package_modules()
+        self.package_attrs = {name: dict(vars(module)) for name, module in self.package_modules.items()}
         self.warning_filters = list(warnings.filters)
 
     def restore(self, scenario_dir: str | None = None) -> None:
@@ -62,12 +65,13 @@ class FreshState:
         torch.set_grad_enabled(True)
         _put_back(dist, self.dist_attrs)  # scripts that count collectives patch these
         for name, attrs in self.package_attrs.items():  # module settings a check script changes
-            _put_back(sys.modules[name], attrs)
+            _put_back(self.package_modules[name], attrs)
         warnings.filters[:] = self.warning_filters
 
     def _forget_modules_under(self, directory: str | None) -> None:
-        """Modules a scenario imported from its own directory: another scenario may have its own."""
-        if directory is None:
+        """Modules a scenario imported from its own directory (a test's temporary one, not the
+        checkout): another scenario may have modules of the same names there."""
+        if directory is None or REPOSITORY.is_relative_to(directory) or Path(directory).is_relative_to(REPOSITORY):
             return
         for name in set(sys.modules) - self.modules:
             file = getattr(sys.modules[name], "__file__", None) or ""
@@ -103,6 +107,7 @@ def run_scenario(command: dict[str, Any], fresh: FreshState) -> int:
         try:
             if argv[0] == "-m":
                 sys.argv = [argv[1], *argv[2:]]
+                sys.path.insert(0, os.getcwd())  # as ``python -m`` does
                 runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
             else:
                 sys.argv = list(argv)
