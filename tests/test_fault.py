@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from ckpt_launch import run_logged, script  # noqa: E402
+from ckpt_launch import run_logged, run_ranks, script  # noqa: E402
 from ckpt_plans import MIXED, fixed_plan  # noqa: E402
 from fault_setup import INJECTED  # noqa: E402
 from toy_models import MLP  # noqa: E402
@@ -58,9 +58,9 @@ def test_torchrun_restarts_killed_ranks_from_the_last_checkpoint(tmp_path: Path)
     assert final["attempt"] == 2 and final["global_step"] == 20
 
     # the uninterrupted run with the same checkpointing schedule ends at the same loss and weights
-    reference = run_logged([script("ckpt_run.py"), "--steps", "20", *common[:2], "--ckpt-dir",
-                            str(tmp_path / "ref_ckpt"), "--ckpt-every", "4", "--out", str(tmp_path / "ref")],
-                           tmp_path / "ref.log", 240)
+    reference = run_ranks([script("ckpt_run.py"), "--steps", "20", *common[:2], "--ckpt-dir",
+                           str(tmp_path / "ref_ckpt"), "--ckpt-every", "4", "--out", str(tmp_path / "ref")],
+                          tmp_path / "ref.log", 240, cwd=tmp_path)
     assert reference.returncode == 0, reference.log[-6000:]
     ref_steps = [rank["steps"] for rank in json.loads((tmp_path / "ref" / "record.json").read_text())]
     for rank, losses in enumerate(final["losses"]):
