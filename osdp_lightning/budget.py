@@ -2,8 +2,9 @@
 
 Accepted forms of ``memory_budget`` (per rank), in Python and in conf alike:
 
-- bytes: an int (at least 1 MiB; a bare ``70`` is refused as ambiguous) or a size with a unit,
-  ``"6GiB"``, ``"512MB"``, ``"1.5G"`` (G = GiB);
+- bytes: a size with a unit, taken at its word (``"6GiB"``, ``"512MB"``, ``"1.5G"`` with G = GiB,
+  ``"900KiB"``, ``"883732B"``), or a bare number of bytes of at least 1 MiB (a bare ``70`` is refused
+  as ambiguous: a forgotten ``%`` or unit is likelier than a 70-byte budget);
 - ``"70%"``: a share of the device (CUDA: its total memory; CPU: the process's share of physical
   memory, i.e. physical memory over the processes of this node), at most 100%;
 - ``"95%ddp"`` (or ``%replicate``, ``%zero2``, ``%zero3``): a share of the predicted peak of that
@@ -58,9 +59,9 @@ _SHARE_RE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+)\s*%\s*([a-zA-Z0-9_]*)\s*$")
 BUDGET_BASELINES = {"ddp": "replicate", "replicate": "replicate", "zero2": "zero2", "zero3": "zero3"}
 """Baselines a budget may be a share of (``"95%ddp"``), and the uniform choice each one is."""
 MIN_BYTES_BUDGET = 2**20
-ACCEPTED_FORMS = ("bytes as an int (>= 1 MiB, e.g. 8589934592), a size such as '8GiB' or '512MB', "
-                  "a share of the device such as '70%', or a share of a baseline's predicted peak "
-                  "such as '95%ddp' (ddp, zero2, zero3)")
+ACCEPTED_FORMS = ("a size with a unit such as '8GiB', '512MB', '900KiB' or '883732B', bytes as a bare number "
+                  "(>= 1 MiB, e.g. 8589934592), a share of the device such as '70%', or a share of a baseline's "
+                  "predicted peak such as '95%ddp' (ddp, zero2, zero3)")
 
 
 def parse_bytes(value: int | float | str) -> int:
@@ -83,6 +84,21 @@ def parse_bytes(value: int | float | str) -> int:
     if not number > 0:
         raise ValueError(f"memory budget must be positive, got {value!r}")
     return int(number)
+
+
+def format_budget(nbytes: int) -> str:
+    """Exactly ``nbytes`` as a budget :func:`parse_memory_budget` accepts as written, whatever its size:
+    the largest binary unit that divides it (``"8GiB"``), else bytes with their unit (``"883732B"``).
+
+    Messages that name a budget to use name it in this form: a bare number below 1 MiB is refused,
+    and a rounded size (``"863.02 KiB"``) can fall a few bytes short of the budget it names.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"a budget is a positive whole number of bytes, got {nbytes!r}")
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if nbytes % _UNITS[unit.lower()] == 0:
+            return f"{nbytes // _UNITS[unit.lower()]}{unit}"
+    return f"{nbytes}B"
 
 
 def format_bytes(n: float) -> str:
@@ -162,11 +178,26 @@ def parse_memory_budget(value: int | float | str | MemoryBudget) -> MemoryBudget
     except ValueError as err:
         reason = str(err).split(":")[0]  # "cannot read memory budget 'x'" or "... must be positive ..."
         raise ValueError(f"{reason}; accepted forms: {ACCEPTED_FORMS}") from None
-    # NOTE: a bare number is bytes; one too small to hold any model is most likely a forgotten "%" or unit.
-    if number < MIN_BYTES_BUDGET:
+    # NOTE: a bare number below 1 MiB is more likely a forgotten "%" or unit than bytes; a size that
+    # says its unit is taken at its word, however small (a small model's smallest plan can need less).
+    if number < MIN_BYTES_BUDGET and not _has_unit(value):
         raise ValueError(f"memory budget {value!r} is {number} bytes, too small to hold a model: did you mean "
-                         f"'{value}%' or '{value}GiB'? Accepted forms: {ACCEPTED_FORMS}")
+                         f"{_forgotten_unit(text, number)}? For {number} bytes say '{number}B'. "
+                         f"Accepted forms: {ACCEPTED_FORMS}")
     return MemoryBudget(text=text, bytes=number)
+
+
+def _forgotten_unit(text: str, number: int) -> str:
+    """The forms a bare ``number`` plausibly meant: a share of the device up to 100, else a size."""
+    if number <= 100:
+        return f"'{text}%' or '{text}GiB'"
+    return f"'{text}GiB' or '{text}MiB'" if number <= 4096 else f"'{text}MiB'"
+
+
+def _has_unit(value: int | float | str) -> bool:
+    """Whether ``value`` (already read by :func:`parse_bytes`) names its unit, as ``"900KiB"`` does."""
+    match = _BYTES_RE.match(value) if isinstance(value, str) else None
+    return bool(match and match.group(2))
 
 
 def _parse_share(text: str, match: re.Match | None) -> MemoryBudget:

@@ -13,15 +13,26 @@ all ranks finished, rank 0 adds the metadata and renames it into place. A save t
 leaves the previous checkpoint untouched and a partial directory that :func:`check_checkpoint`
 recognises and refuses. Split layers (``SplitLinear``) appear as the ``nn.Linear`` they replace,
 in the model state (their own hooks) and in the optimizer state (``osdp_lightning/canonical.py``).
+
+Loading never unpickles arbitrary objects: ``torch.save`` files are read weights-only, and the
+pickled ``.metadata`` of a sharded checkpoint (which ``torch.distributed.checkpoint`` reads with
+plain pickle) is first read here admitting only DCP's own metadata types. Anything else is refused
+with :class:`UnsafeCheckpointError`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import io
 import json
 import os
+import pathlib
+import pickle
 import shutil
 import time
 import zipfile
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +40,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader  # noqa: F401  (used through this module)
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -54,9 +66,9 @@ from osdp_lightning.faults import (
 from osdp_lightning.resume import collect_rng_state, restore_own_rng_state
 
 __all__ = [
-    "IncompleteCheckpointError", "check_checkpoint", "consolidate_checkpoint", "find_latest_checkpoint",
-    "is_complete_checkpoint", "load_checkpoint", "load_full_model_state", "load_full_optimizer_state",
-    "load_model_weights", "model_state", "optimizer_state", "save_checkpoint",
+    "IncompleteCheckpointError", "UnsafeCheckpointError", "check_checkpoint", "consolidate_checkpoint",
+    "find_latest_checkpoint", "is_complete_checkpoint", "load_checkpoint", "load_full_model_state",
+    "load_full_optimizer_state", "load_model_weights", "model_state", "optimizer_state", "save_checkpoint",
 ]
 
 META_NAME = "meta.pt"  # Lightning's name (lightning.fabric.strategies.fsdp._METADATA_FILENAME)
@@ -69,6 +81,88 @@ _OLD = ".osdp-old-"
 
 class IncompleteCheckpointError(RuntimeError):
     """The checkpoint was not completely written (a save was interrupted) or is damaged."""
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """The checkpoint holds objects that only running code from the file could rebuild; not loaded."""
+
+
+_TRUST = ("Only load checkpoints you trust: unpickling runs whatever code the file names. If you trust this "
+          "one and it holds your own classes, allow them with `with torch.serialization.safe_globals([...]):` "
+          "around this call.")
+
+
+def _torch_load(path: Path, what: str, weights_only: bool | None = True, mmap: bool = False) -> Any:
+    """``torch.load`` of ``path`` to CPU, weights-only unless the caller said ``weights_only=False``;
+    a weights-only refusal raises :class:`UnsafeCheckpointError` naming the file and what it held."""
+    try:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        if weights_only is False:
+            raise
+        found = [line.strip() for line in str(err).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+        raise UnsafeCheckpointError(" ".join([
+            f"refused to load {what} {path}: it holds objects other than tensors and plain Python data, and "
+            "checkpoints are loaded weights-only (torch.load(weights_only=True)) because unpickling such objects "
+            "can run arbitrary code.", *found[:1], _TRUST])) from None
+
+
+_DCP_PATHS = (pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath)
+
+
+def _metadata_type(module: str, value: Any) -> bool:
+    """Whether ``value``, named by ``module``, is one of the plain types DCP's ``.metadata`` pickles."""
+    if module.startswith("torch.distributed.checkpoint."):
+        return isinstance(value, type) and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum))
+    if module == "torch":
+        return value is torch.Size or isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
+    return ((module == "torch.serialization" and value is getattr(torch.serialization, "_get_layout", None))
+            or (module == "pathlib" and value in _DCP_PATHS)
+            or (module == "collections" and value is OrderedDict))
+
+
+def _allowed_by_user(module: str, name: str) -> bool:
+    """Whether ``module.name`` is among the types the user allowed for weights-only loading
+    (``torch.serialization.add_safe_globals`` / ``safe_globals``)."""
+    for entry in torch.serialization.get_safe_globals():
+        spelled = entry[1] if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}"
+        if spelled == f"{module}.{name}":
+            return True
+    return False
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata only: dataclasses and enums of ``torch.distributed.checkpoint``, dtypes,
+    sizes and paths, and what the user allowed as torch's safe globals. Modules are checked before
+    they are imported, and values after."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if _allowed_by_user(module, name):
+            return super().find_class(module, name)
+        known = module in ("torch", "torch.serialization", "pathlib", "collections")
+        value = super().find_class(module, name) if known or module.startswith("torch.distributed.checkpoint.") else None
+        if value is None or not _metadata_type(module, value):
+            raise UnsafeCheckpointError(f"it names {module}.{name}, which is not a type of torch.distributed.checkpoint's "
+                                        "metadata")
+        return value
+
+
+def _read_dcp_metadata(path: Path) -> Metadata:
+    """A sharded checkpoint's ``.metadata``, unpickled admitting only DCP's own metadata types.
+
+    NOTE: torch's ``FileSystemReader.read_metadata`` uses plain ``pickle.load``; reading the file
+    here first refuses a crafted one before any torch code unpickles it.
+    """
+    file = path / DCP_METADATA_NAME
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
+    except UnsafeCheckpointError as err:
+        raise UnsafeCheckpointError(f"refused to read {file}: {err}, and unpickling it could run arbitrary "
+                                    f"code. {_TRUST}") from None
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"refused to read {file}: it holds a {type(metadata).__name__}, not "
+                                    "torch.distributed.checkpoint metadata")
+    return metadata
 
 
 # -- saving -------------------------------------------------------------------------------------
@@ -177,7 +271,7 @@ def _diagnose(path: Path) -> tuple[str, str | None]:
 
 def _missing_shards(path: Path) -> list[str]:
     """Shard files named in DCP's metadata that are absent or shorter than recorded."""
-    metadata = FileSystemReader(path).read_metadata()
+    metadata = _read_dcp_metadata(path)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -204,8 +298,7 @@ def find_latest_checkpoint(dirpath: str | Path) -> Path | None:
 def _global_step(path: Path) -> int:
     if (path / MARKER_NAME).is_file():
         return int(json.loads((path / MARKER_NAME).read_text()).get("global_step") or 0)
-    meta = torch.load(path / META_NAME if path.is_dir() else path, map_location="cpu", mmap=path.is_file(),
-                      weights_only=True)
+    meta = _torch_load(path / META_NAME if path.is_dir() else path, "checkpoint", mmap=path.is_file())
     return int(meta.get("global_step", 0))
 
 
@@ -229,7 +322,7 @@ def load_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[torch.op
     if verdict == "sharded":
         rest = _load_sharded(path, module, optimizers, strict, weights_only)
     else:
-        rest = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        rest = _torch_load(path, "checkpoint", weights_only, mmap=True)
         load_full_model_state(module, rest.pop("state_dict"), strict)
         # NOTE: a weights-only checkpoint has no optimizer states; Lightning itself reports that.
         for optimizer, state in zip(optimizers, rest.pop("optimizer_states", []), strict=False):
@@ -240,7 +333,7 @@ def load_checkpoint(path: Path, module: nn.Module, optimizers: Sequence[torch.op
 
 def _load_sharded(path: Path, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], strict: bool,
                   weights_only: bool | None) -> dict[str, Any]:
-    saved_keys = FileSystemReader(path).read_metadata().state_dict_metadata.keys()
+    saved_keys = _read_dcp_metadata(path).state_dict_metadata.keys()
     currents = {f"optimizer_{i}": (opt, get_optimizer_state_dict(module, opt)) for i, opt in enumerate(optimizers)}
     currents = {k: v for k, v in currents.items() if any(s.startswith(k + ".") for s in saved_keys)}
     state: dict[str, Any] = {"state_dict": get_model_state_dict(module)}
@@ -252,7 +345,7 @@ def _load_sharded(path: Path, module: nn.Module, optimizers: Sequence[torch.opti
     module.load_state_dict(state["state_dict"], strict=strict)
     for key, (optimizer, current) in currents.items():
         set_optimizer_state_dict(module, optimizer, split_optimizer_state(module, state[key], current))
-    return torch.load(path / META_NAME, map_location="cpu", weights_only=weights_only)
+    return _torch_load(path / META_NAME, "checkpoint metadata", weights_only)
 
 
 def load_full_model_state(module: nn.Module, state: dict[str, Any], strict: bool = True) -> None:
@@ -277,11 +370,12 @@ def load_model_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """The model's canonical state dict (whole CPU tensors) from either layout, in one process.
 
     Needs no process group and no ``osdp_lightning`` model code: ``MyModule().load_state_dict(...)``.
+    Loads weights-only; raises :class:`UnsafeCheckpointError` for a file that holds anything else.
     """
     path = Path(path)
     if check_checkpoint(path) == "consolidated":
-        return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
-    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+        return _torch_load(path, "checkpoint")["state_dict"]
+    metadata = _read_dcp_metadata(path).state_dict_metadata
     prefix = "state_dict."
     state = {key[len(prefix):]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
              for key, meta in metadata.items() if key.startswith(prefix) and hasattr(meta, "size")}
@@ -290,7 +384,10 @@ def load_model_weights(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def consolidate_checkpoint(path: str | Path, out_file: str | Path) -> Path:
-    """Write a sharded checkpoint as one Lightning ``.ckpt`` file (for ``load_from_checkpoint``)."""
+    """Write a sharded checkpoint as one Lightning ``.ckpt`` file (for ``load_from_checkpoint``).
+
+    Reads weights-only; raises :class:`UnsafeCheckpointError` for a checkpoint that holds anything else.
+    """
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     path, out_file = Path(path), Path(out_file)
@@ -299,8 +396,8 @@ def consolidate_checkpoint(path: str | Path, out_file: str | Path) -> Path:
         return out_file
     tmp = out_file.parent / f".{out_file.name}{_PARTIAL}convert"
     dcp_to_torch_save(path, tmp)
-    tensors = torch.load(tmp, map_location="cpu", weights_only=False)
-    checkpoint = torch.load(path / META_NAME, map_location="cpu", weights_only=False)
+    tensors = _torch_load(tmp, "converted checkpoint")
+    checkpoint = _torch_load(path / META_NAME, "checkpoint metadata")
     checkpoint["state_dict"] = tensors.pop("state_dict")
     optimizers = sorted((k for k in tensors if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     checkpoint["optimizer_states"] = [tensors[k] for k in optimizers]

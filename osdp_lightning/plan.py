@@ -14,7 +14,7 @@ from pathlib import Path
 
 from torch import nn
 
-from osdp_lightning.budget import format_bytes
+from osdp_lightning.budget import format_budget, format_bytes
 from osdp_lightning.choices import BASE_CHOICES, REPLICATE, Choice, is_known, known_names, parse, resolve
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.cost import ChoiceTable, build_choice_table
@@ -291,7 +291,7 @@ def _infeasible(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: Cluster
     headroom = cluster.headroom_for(budget)
     rule = _headroom_rule(cluster)
     fix = (f"the smallest budget that fits is {format_bytes(smallest)} ({smallest} bytes, of which "
-           f"{format_bytes(cluster.headroom_for(smallest))} headroom)")
+           f"{format_bytes(cluster.headroom_for(smallest))} headroom; memory_budget={format_budget(smallest)!r})")
     if cluster.usable_bytes <= 0:
         return InfeasibleBudgetError(
             f"the memory budget of {format_bytes(budget)} per rank is not more than the headroom plans keep free, "

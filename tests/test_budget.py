@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_module
@@ -13,15 +15,17 @@ from hydra.utils import instantiate
 
 from osdp_lightning import OSDPStrategy
 from osdp_lightning.budget import (
+    MIN_BYTES_BUDGET,
     MemoryBudget,
     absolute_budget_bytes,
     default_memory_budget,
     device_memory_bytes,
+    format_budget,
     parse_memory_budget,
 )
 from osdp_lightning.cli.common import cluster_spec
 from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.plan import baseline_peak_bytes, make_plan
+from osdp_lightning.plan import InfeasibleBudgetError, baseline_peak_bytes, make_plan
 from osdp_lightning.profile import profile_lightning_module
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -106,3 +110,65 @@ def test_osdp_plan_resolves_a_share_of_the_ddp_peak_after_profiling(tmp_path: Pa
     rows = {r["strategy"]: r for r in json.loads((run_dir / "comparison.json").read_text())["rows"]}
     assert rows["ddp"]["memory_budget_bytes"] == rows["ddp"]["predicted_peak_bytes"]  # 100% of ddp's peak
     assert not rows["ddp"]["fits"] and rows["osdp"]["fits"] and (run_dir / "plan.png").exists()
+
+
+@pytest.mark.parametrize("value, nbytes", [
+    ("900KiB", 900 * 2**10), ("883732B", 883732), ("0.5MiB", 2**19), ("64KB", 64_000), ("1B", 1),
+])
+def test_a_size_with_a_unit_is_taken_at_its_word_however_small(value: str, nbytes: int) -> None:
+    assert parse_memory_budget(value) == MemoryBudget(value, bytes=nbytes)
+    assert OSDPStrategy(memory_budget=value).memory_budget_bytes == nbytes
+
+
+@pytest.mark.parametrize("value", [972106, "972106", 1e3, "512"])
+def test_a_bare_number_below_a_mib_is_refused_naming_the_bytes_form_that_is_accepted(value: object) -> None:
+    with pytest.raises(ValueError, match="too small to hold a model") as info:
+        parse_memory_budget(value)
+    said = re.search(r"bytes say '([^']+)'", str(info.value)).group(1)
+    assert parse_memory_budget(said).bytes == int(float(value))
+    assert "%'" not in str(info.value).split("Accepted forms")[0]  # no '972106%': more than the device
+
+
+@pytest.mark.parametrize("nbytes", [1, 1000, 883732, 2**10, 1025 * 2**10, 3 * 2**20, MIN_BYTES_BUDGET - 1,
+                                    8 * GIB, 8 * GIB + 1, 2**40 + 2**30])
+def test_format_budget_is_exact_and_accepted(nbytes: int) -> None:
+    text = format_budget(nbytes)
+    assert parse_memory_budget(text).bytes == nbytes and OSDPStrategy(memory_budget=text).memory_budget_bytes == nbytes
+
+
+def _tiny_cluster(budget: int) -> ClusterSpec:
+    return ClusterSpec(world_size=2, memory_budget_bytes=budget, collective_latency_s=1e-4,
+                       bandwidth_bytes_per_s=1e9, headroom_fraction=0.04)
+
+
+def test_the_budget_an_infeasible_error_names_is_accepted_as_written_and_fits() -> None:
+    model = MLP(width=16)
+    batch = (torch.randn(8, 16), torch.randn(8, 1))
+    profile = profile_lightning_module(model, batch, optimizer=torch.optim.Adam(model.parameters()), repeats=1)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        make_plan(profile, _tiny_cluster(2**10))
+    smallest = int(re.search(r"\((\d+) bytes", str(info.value)).group(1))
+    named = re.search(r"memory_budget='([^']+)'", str(info.value)).group(1)
+    assert smallest < MIN_BYTES_BUDGET  # the case a bare number would be refused in
+    assert parse_memory_budget(named).bytes == smallest
+    assert OSDPStrategy(memory_budget=named).memory_budget_bytes == smallest
+    assert make_plan(profile, _tiny_cluster(parse_memory_budget(named).bytes)).predicted_peak_bytes <= smallest
+    roomier = format_budget(int(1.1 * smallest))
+    assert OSDPStrategy(memory_budget=roomier).memory_budget_bytes == int(1.1 * smallest)
+    with initialize_config_module(config_module="osdp_lightning.conf", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["cluster=cpu_2", f"cluster.memory_budget={named}"])
+    assert instantiate(cfg.strategy, _convert_="all").memory_budget_bytes == smallest
+    assert cluster_spec(cfg.cluster).memory_budget_bytes == smallest
+
+
+def test_a_trainer_refused_for_its_budget_runs_at_the_budget_the_error_names() -> None:
+    def fit(budget: str) -> None:
+        trainer = L.Trainer(strategy=OSDPStrategy(memory_budget=budget), accelerator="cpu", devices=1, max_steps=1,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        trainer.fit(MLP(width=16))
+
+    with pytest.raises(InfeasibleBudgetError, match=r"memory_budget='[^']+'") as info:
+        fit("1KiB")
+    named = re.search(r"memory_budget='([^']+)'", str(info.value)).group(1)
+    assert parse_memory_budget(named).bytes < MIN_BYTES_BUDGET
+    fit(named)

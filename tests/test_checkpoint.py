@@ -6,8 +6,11 @@ The same code runs on every rank of a real run; tests/test_resume.py covers 2-ra
 from __future__ import annotations
 
 import copy
+import os
+import pickle
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning
@@ -212,3 +215,77 @@ def test_a_plain_optimizer_state_keyed_by_position_loads_into_a_split_model() ->
     ckpt.load_full_optimizer_state(target, target_opt, optimizer.state_dict())
     assert_same_state(ckpt.optimizer_state(target, target_opt, full=False),
                       ckpt.optimizer_state(model, optimizer, full=False))
+
+
+class _RunsCodeWhenUnpickled:
+    """Unpickling it creates the directory ``marker``; a hostile file could run anything there instead."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return os.mkdir, (str(self.marker),)
+
+
+class _Hparams:
+    def __init__(self, width: int) -> None:
+        self.width = width
+
+
+def _refused(load: Callable[[], object], marker: Path, what: str) -> None:
+    with pytest.raises(ckpt.UnsafeCheckpointError, match=f"refused to (load|read) .*{what}") as info:
+        load()
+    assert "arbitrary code" in str(info.value) and "Only load checkpoints you trust" in str(info.value)
+    assert not marker.exists()
+
+
+def test_a_consolidated_file_that_runs_code_when_unpickled_is_refused(tmp_path: Path) -> None:
+    model, optimizer = trained(split=False)
+    hostile = tmp_path / "hostile.ckpt"
+    marker = tmp_path / "code-ran"
+    torch.save({"state_dict": model.state_dict(), "hyper_parameters": _RunsCodeWhenUnpickled(marker)}, hostile)
+    _refused(lambda: ckpt.load_model_weights(hostile), marker, "weights-only.*posix.mkdir")
+    _refused(lambda: ckpt.load_checkpoint(hostile, copy.deepcopy(model), [], strict=True), marker, "hostile.ckpt")
+    torch.load(hostile, weights_only=False)  # the file is what it claims: a plain unpickling runs its code
+    assert marker.exists()
+
+
+def test_a_sharded_checkpoint_that_runs_code_when_unpickled_is_refused(tmp_path: Path) -> None:
+    model, optimizer = trained(split=False)
+    save(model, optimizer, tmp_path / "good.ckpt")
+    marker = tmp_path / "code-ran"
+    bad_meta = tmp_path / "bad-meta.ckpt"
+    shutil.copytree(tmp_path / "good.ckpt", bad_meta)
+    torch.save({"global_step": 2, "loops": _RunsCodeWhenUnpickled(marker)}, bad_meta / ckpt.META_NAME)
+    _refused(lambda: ckpt.consolidate_checkpoint(bad_meta, tmp_path / "one.ckpt"), marker, "meta.pt.*weights-only")
+    assert not (tmp_path / "one.ckpt").exists()
+    metadata = ckpt._read_dcp_metadata(tmp_path / "good.ckpt")
+    metadata.planner_data = _RunsCodeWhenUnpickled(marker)  # hidden inside otherwise valid metadata
+    bad_dcp = tmp_path / "bad-dcp.ckpt"
+    shutil.copytree(tmp_path / "good.ckpt", bad_dcp)
+    (bad_dcp / ckpt.DCP_METADATA_NAME).write_bytes(pickle.dumps(metadata))
+    for load in (lambda: ckpt.load_model_weights(bad_dcp), lambda: ckpt.check_checkpoint(bad_dcp),
+                 lambda: ckpt.consolidate_checkpoint(bad_dcp, tmp_path / "one.ckpt"),
+                 lambda: ckpt.load_checkpoint(bad_dcp, copy.deepcopy(model), [], strict=True)):
+        _refused(load, marker, r"\.metadata: it names posix.mkdir")
+    torch.distributed.checkpoint.FileSystemReader(bad_dcp).read_metadata()  # torch's own reader: plain pickle
+    assert marker.exists()
+
+
+def test_own_classes_in_a_trusted_checkpoint_load_when_allowed(tmp_path: Path) -> None:
+    model, _ = trained(split=False)
+    path = tmp_path / "hparams.ckpt"
+    torch.save({"state_dict": model.state_dict(), "hyper_parameters": {"config": _Hparams(16)}}, path)
+    with pytest.raises(ckpt.UnsafeCheckpointError, match="_Hparams"):
+        ckpt.load_model_weights(path)
+    with torch.serialization.safe_globals([_Hparams]):  # what the refusal tells the user to do
+        assert_same_state(ckpt.load_model_weights(path), model.state_dict())
+    sharded = tmp_path / "sharded.ckpt"
+    save(model, torch.optim.Adam(model.parameters()), sharded)
+    metadata = ckpt._read_dcp_metadata(sharded)
+    metadata.planner_data = _Hparams(16)
+    (sharded / ckpt.DCP_METADATA_NAME).write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ckpt.UnsafeCheckpointError, match=r"\.metadata: it names .*_Hparams"):
+        ckpt.load_model_weights(sharded)
+    with torch.serialization.safe_globals([_Hparams]):
+        assert_same_state(ckpt.load_model_weights(sharded), model.state_dict())
