@@ -93,8 +93,9 @@ _TRUST = ("Only load checkpoints you trust: unpickling runs whatever code the fi
 
 
 def _torch_load(path: Path, what: str, weights_only: bool | None = True, mmap: bool = False) -> Any:
-    """``torch.load`` of ``path`` to CPU, weights-only unless the caller said ``weights_only=False``;
-    a weights-only refusal raises :class:`UnsafeCheckpointError` naming the file and what it held."""
+    """``torch.load`` of ``path`` to CPU, weights-only unless the caller turned that off (a resume the
+    user asked to load fully); a weights-only refusal raises :class:`UnsafeCheckpointError` naming the
+    file and what it held."""
     try:
         return torch.load(path, map_location="cpu", mmap=mmap, weights_only=weights_only)
     except pickle.UnpicklingError as err:
