@@ -1,8 +1,9 @@
 """The entry points end to end, as a user runs them: a fresh process in a temporary directory.
 
-``osdp-train`` and a sweep start 2 gloo ranks each (marked ``multiprocess``), as a user's command
-does; ``osdp-plan`` and the configuration errors run their ``main()`` in this process
-(``cli_here``), since starting an interpreter for them would only import torch again.
+``osdp-train`` and a sweep start 2 gloo ranks each (marked ``multiprocess``): the sweep as a user's
+command does (Lightning's launcher), one training run as torchrun does (both ranks together).
+``osdp-plan`` and the configuration errors run their ``main()`` in this process (``cli_here``):
+starting an interpreter for them would only import torch again.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_launch import run_ranks
 from conftest import CliHere, CliRun
 
 from osdp_lightning.budget import PLAN_HEADROOM_FRACTION
@@ -56,12 +58,15 @@ def test_osdp_train_under_a_budget_ddp_exceeds(tmp_path: Path, cli_here: CliHere
     # Plans keep a share of the budget free (the CPU default headroom): a budget whose usable part
     # lies between the two peaks.
     budget = int((peaks["zero3"] + peaks["ddp"]) / 2 / (1 - PLAN_HEADROOM_FRACTION))
-    proc = run_cli("train", "model=gpt_tiny", "cluster=cpu_2", "trainer=smoke", f"cluster.memory_budget={budget}",
-                   cwd=tmp_path)
-    check_ok(proc)
-    assert "predicted peak per rank" in proc.stdout and "choices:" in proc.stdout  # the plan table
-    assert "tokens/s" in proc.stdout and "measured peak per rank" in proc.stdout  # the summary
-    run_dir = only_dir(tmp_path / "outputs" / "train")
+    # NOTE: both ranks started together, as torchrun starts them (Lightning's own launcher is the
+    # main job's and the sweep's); they share the run directory they are given, as under torchrun.
+    run_dir = tmp_path / "train_run"
+    done = run_ranks(["-m", "osdp_lightning.cli.train", "model=gpt_tiny", "cluster=cpu_2", "trainer=smoke",
+                      f"cluster.memory_budget={budget}", f"hydra.run.dir={run_dir}"], tmp_path / "train.log", 240,
+                     cwd=tmp_path)
+    assert done.returncode == 0, done.log[-6000:]
+    assert "predicted peak per rank" in done.log and "choices:" in done.log  # the plan table
+    assert "tokens/s" in done.log and "measured peak per rank" in done.log  # the summary
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["model"] == "gpt_tiny" and summary["strategy"] == "osdp" and summary["steps"] == 5
     assert summary["memory_budget_bytes"] == budget
