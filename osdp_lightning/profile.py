@@ -14,7 +14,7 @@ import inspect
 import random
 import statistics
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +67,9 @@ class UnitProfile:
     loss's), which backward frees before any unit's backward starts."""
     part_of: str = ""
     """The block this unit is a part of (``''``: a unit of its own: a block, an embedding, the root)."""
+    checkpoint_refusal: str = ""
+    """Why it cannot be checkpointed: the error its checkpointed forward and backward raised when
+    profiled (its recomputation did not replay its forward); ``''``: it replayed, or was not tried."""
 
 
 @dataclass(frozen=True)
@@ -432,11 +435,13 @@ def profile_lightning_module(module: nn.Module, batch: object | None = None, *,
                              min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS,
                              optimizer: torch.optim.Optimizer | None = None,
                              step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                             repeats: int = 3) -> ModelProfile:
+                             repeats: int = 3, check_checkpointing: bool = True) -> ModelProfile:
     """Profile a LightningModule's real training computation on ``batch``.
 
     Runs ``training_step(batch, 0)`` plus backward; with ``batch=None`` runs
     ``forward(example_input_array)`` and backpropagates the sum of its output.
+    ``check_checkpointing``: also run it with the units checkpointed and record, per unit, why one
+    cannot be (:func:`with_checkpoint_refusals`).
     """
     start = time.perf_counter()
     if not any(p.requires_grad for p in module.parameters()):
@@ -447,6 +452,8 @@ def profile_lightning_module(module: nn.Module, batch: object | None = None, *,
     run_loss = _loss_runner(module, batch, step_context)
     with _logging_disabled(module):
         units, activation_bytes, step_s = measure_units(module, specs, run_loss, device, repeats)
+        if check_checkpointing:
+            units = with_checkpoint_refusals(module, units, run_loss)
     dtype = next(p for p in module.parameters() if p.requires_grad).dtype
     elem = torch.empty((), dtype=dtype).element_size()
     inputs = batch if batch is not None else getattr(module, "example_input_array", None)
@@ -457,6 +464,27 @@ def profile_lightning_module(module: nn.Module, batch: object | None = None, *,
         optimizer_bytes_per_param=optimizer_state_bytes_per_param(optimizer, dtype) if optimizer else 0,
         activation_bytes=activation_bytes, fixed_bytes=_tensor_bytes(inputs), step_s=step_s,
         profile_s=time.perf_counter() - start)
+
+
+def with_checkpoint_refusals(root: nn.Module, units: Sequence[UnitProfile], run_loss: Callable[[], torch.Tensor]
+                             ) -> list[UnitProfile]:
+    """``units`` with :attr:`UnitProfile.checkpoint_refusal` set on each unit (or part) whose
+    checkpointed step fails (:func:`osdp_lightning.choices.checkpointing.find_unreplayable`: one
+    step with every unit checkpointed, one with every part, one more per unit refused)."""
+    # NOTE: imported here: the choices import this module
+    from osdp_lightning.choices.checkpointing import find_unreplayable
+
+    def candidates(group: Iterable[UnitProfile]) -> dict[str, tuple[str, ...]]:
+        return {u.name: u.module_names for u in group if u.name != ROOT and u.input_bytes > 0}
+
+    with preserved_state(root):
+        refused = find_unreplayable(root, (candidates(units), candidates(p for u in units for p in u.parts)),
+                                    run_loss)
+
+    def with_refusal(unit: UnitProfile) -> UnitProfile:
+        return dataclasses.replace(unit, checkpoint_refusal=refused.get(unit.name, ""),
+                                   parts=tuple(with_refusal(p) for p in unit.parts))
+    return [with_refusal(u) for u in units]
 
 
 def _loss_runner(module: nn.Module, batch: object | None,

@@ -44,6 +44,7 @@ from osdp_lightning.budget import (
 )
 from osdp_lightning.calibrate import CollectiveTimings, calibrate_step_terms, measure_collectives
 from osdp_lightning.choices import ALIASES, ChoiceOptions, choice_space, known_names, resolve
+from osdp_lightning.choices.checkpointing import refusal_message
 from osdp_lightning.clip import with_sharded_clipping
 from osdp_lightning.cluster import ClusterSpec, NodeTimings, live_cluster_spec, measure_node_collectives
 from osdp_lightning.faults import all_ranks_succeed, init_elastic_process_group
@@ -93,7 +94,9 @@ class OSDPStrategy(ModelParallelStrategy):
             ``"replicate"``, ``"zero2"``, ``"zero3"``).
         split_factors: Slice counts the ILP may split Linear layers into; ``()`` turns it off.
         activation_checkpointing: ``"auto"``: the ILP decides per unit whether to recompute its
-            activations in backward (``zero3+ckpt``); ``"never"``; ``"always"``: every unit.
+            activations in backward (``zero3+ckpt``); ``"never"``; ``"always"``: every unit that
+            can be: a unit whose recomputation does not replay its forward (found while profiling)
+            keeps its choice without ``+ckpt``, with a warning before training naming it and why.
         unit_module_types / unit_name_patterns: Which modules are units (default: leaf modules
             with at least ``min_unit_params`` parameters).
         overlap_efficiency: Share of communication hidden by compute. Default: measured at setup on
@@ -322,7 +325,10 @@ class OSDPStrategy(ModelParallelStrategy):
             module, batch, unit_module_types=self.unit_module_types,
             unit_name_patterns=self.unit_name_patterns, min_unit_params=self.min_unit_params,
             optimizer=optimizer, step_context=self.precision_plugin.train_step_context,
-            repeats=self.profile_repeats)
+            repeats=self.profile_repeats, check_checkpointing=self.choice_options.activation_checkpointing != "never")
+        if (refused := refusal_message(profile.units)) is not None:  # before training: which units, and why
+            always = self.choice_options.activation_checkpointing == "always"
+            (rank_zero_warn if always else rank_zero_info)(refused)
         if self.split_factors and self.uniform_choice is None and self.world_size > 1:
             profile = measure_split_overheads(module, batch, profile, self.split_factors,
                                               self.precision_plugin.train_step_context)

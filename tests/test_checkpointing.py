@@ -1,9 +1,11 @@
 """Activation checkpointing as a per-unit choice (``<choice>+ckpt``): names, cost terms, profile,
-plans, and a 2-rank run against DDP with dropout."""
+plans, a 2-rank run against DDP with dropout, units whose recomputation does not replay their
+forward (found while profiling, never checkpointed), and Hugging Face models under "always"."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -12,9 +14,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from toy_models import DropoutMLP  # noqa: E402
+from toy_models import DropoutMLP, HuggingFaceLM, MemoMLP  # noqa: E402
 
 from osdp_lightning.choices import ChoiceOptions, choice_cost, choice_space, parse  # noqa: E402
+from osdp_lightning.choices.checkpointing import checkpoint_module, refusal_message  # noqa: E402
 from osdp_lightning.cluster import ClusterSpec  # noqa: E402
 from osdp_lightning.cost import CostContext, build_choice_table  # noqa: E402
 from osdp_lightning.plan import InfeasibleBudgetError, make_plan  # noqa: E402
@@ -142,3 +145,107 @@ def test_checkpointing_does_not_change_the_loss_of_one_process() -> None:
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b)
     assert isinstance(checkpointed.blocks[0], nn.Sequential)  # checkpointed in place: same names and keys
+
+
+HF_BLOCKS = ("T5Block", "GPT2Block", "BertLayer")
+BLOCK_NAME = re.compile(r"^(.*?\.(?:block|h|layer)\.\d+)(?:\.|$)")
+"""A unit inside a T5, GPT-2 or BERT block, or the block itself: group 1 is the block's name."""
+
+
+@pytest.mark.parametrize("kind", ["t5", "gpt2", "bert"])
+def test_checkpointed_hugging_face_blocks_replay_their_forward(kind: str) -> None:
+    """T5's decoder blocks write a cache in training (cross-attention keys once, read back after):
+    checkpointed by hooks, the recompute read the keys instead of computing them and backward
+    raised CheckpointError (48 tensors saved against 52). Through the layers' own switch the cache
+    is dropped and gradients equal the plain model's."""
+    torch.manual_seed(0)
+    reference = HuggingFaceLM(kind)
+    checkpointed = HuggingFaceLM(kind)
+    checkpointed.load_state_dict(reference.state_dict())
+    for module in checkpointed.modules():
+        if type(module).__name__ in HF_BLOCKS:
+            checkpoint_module(module)
+    batch = next(iter(reference.train_dataloader()))
+    grads = []
+    for model in (reference, checkpointed):
+        model.compute_loss(batch).backward()
+        grads.append({name: p.grad for name, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+
+def test_a_unit_whose_recomputation_does_not_replay_is_never_checkpointed() -> None:
+    model = MemoMLP()
+    batch = next(iter(model.train_dataloader()))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    profile = profile_lightning_module(model, batch, optimizer=model.configure_optimizers(), repeats=1)
+    refused = {u.name: u.checkpoint_refusal for unit in profile.units for u in (unit, *unit.parts)}
+    assert refused.keys() >= {"blocks.0", "blocks.1", "blocks.0.proj", "blocks.1.mix"}
+    for name in ("blocks.0", "blocks.1"):  # the recompute found the memo filled: one Linear fewer
+        assert refused[name].startswith("CheckpointError: ") and "different number of tensors" in refused[name]
+    assert not any(reason for name, reason in refused.items() if name not in ("blocks.0", "blocks.1"))
+    message = refusal_message(profile.units)
+    assert message is not None and "blocks.0: CheckpointError" in message and "blocks.1: CheckpointError" in message
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the trial left no trace
+    assert all(p.grad is None for p in model.parameters())
+    # "always": the refused blocks keep their choices without +ckpt, their parts are checkpointed
+    always = choice_space(CLUSTER, ChoiceOptions(activation_checkpointing="always"))
+    table = build_choice_table(profile, CLUSTER, choices=always)
+    offered = {u.name: [c.choice for c in u.choices] for u in table.units}
+    assert offered["blocks.0"] == offered["blocks.1"] == ["replicate", "zero2", "zero3"]
+    plan = make_plan(profile, CLUSTER, choices=always)
+    assert not any("ckpt" in u.choice for u in plan.units)
+    unchecked = profile_lightning_module(model, batch, repeats=1, check_checkpointing=False)
+    assert refusal_message(unchecked.units) is None
+
+
+def test_always_on_a_model_that_cannot_checkpoint_a_unit_trains_and_says_why_before_training() -> None:
+    import lightning as L
+
+    from osdp_lightning import OSDPStrategy
+
+    model = MemoMLP()
+    trainer = L.Trainer(strategy=OSDPStrategy(activation_checkpointing="always"), accelerator="cpu", devices=1,
+                        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with pytest.warns(UserWarning, match=r"cannot be checkpointed[\s\S]*blocks\.0: CheckpointError"):
+        trainer.fit(model)
+    assert len(model.losses) == 2
+    assert trainer.strategy.profile.units[0].checkpoint_refusal
+    assert {u.name: u.choice for u in trainer.strategy.plan.units if u.name.startswith("blocks.")} == {
+        "blocks.0": "replicate", "blocks.1": "replicate"}
+
+
+def _assert_same_losses(ddp: list[dict], osdp: list[dict]) -> None:
+    for ref, got in zip(ddp, osdp, strict=True):
+        assert len(got["losses"]) == len(ref["losses"]) > 1
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4)
+    assert len(set(ddp[0]["losses"])) > 1  # it trained
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["t5", "gpt2", "bert"])
+def test_hugging_face_models_train_like_ddp_with_every_unit_checkpointed(train, kind: str) -> None:
+    """``always`` on 2 ranks: every unit but the root checkpointed, each block whole or through its
+    parts (the plan picks); the DDP reference is test_granularity's (same arguments: run once)."""
+    ddp = train("ddp", "--model", f"hf_{kind}", "--strategy", "ddp")
+    osdp = train("always", "--model", f"hf_{kind}", "--activation-checkpointing", "always")
+    choices = {u["name"]: u["choice"] for u in osdp[0]["plan"]["units"]}
+    assert all(choice.endswith("+ckpt") for name, choice in choices.items() if name), choices  # all but the root
+    blocks = {match.group(1) for name in choices if (match := BLOCK_NAME.match(name))}  # whole or by parts
+    assert len(blocks) == (4 if kind == "t5" else 2), choices
+    _assert_same_losses(ddp, osdp)
+
+
+@pytest.mark.multiprocess
+def test_t5_blocks_checkpointed_whole_under_fsdp2_and_ddp_train_like_ddp(train) -> None:
+    """The layout that failed in the first backward on both ranks (CheckpointError, 52 tensors
+    against 48): T5's decoder blocks checkpointed whole, under FSDP2 (zero3, zero2) and DDP."""
+    ddp = train("ddp", "--model", "hf_t5", "--strategy", "ddp")
+    choices = ("net.encoder.block.1=replicate+ckpt;net.decoder.block.0=zero3+ckpt;"
+               "net.decoder.block.1=zero2+ckpt")
+    osdp = train("t5_whole_blocks", "--model", "hf_t5", "--split-factors", "", "--choices", choices)
+    applied = {u["name"]: u["choice"] for u in osdp[0]["plan"]["units"]}
+    assert all(applied[item.split("=")[0]] == item.split("=")[1] for item in choices.split(";")), applied
+    _assert_same_losses(ddp, osdp)

@@ -4,6 +4,13 @@ A checkpointed unit keeps only its input from forward to backward; its backward 
 forward again (torch's non-reentrant checkpointing, which restores the RNG state, so dropout
 draws the same numbers) and holds the recomputed activations while its backward runs.
 
+Recomputation must replay the forward: the same operations on the same inputs. A Hugging Face
+layer (``GradientCheckpointingLayer``: ``T5Block``, ``GPT2Block``, ``BertLayer``, ...) is
+checkpointed through its own switch, which drops the key/value cache its forward would write
+(T5's decoder fills one even in training); any other unit goes through torch's composable
+``checkpoint``. Profiling runs one checkpointed step (:func:`find_unreplayable`) and a unit whose
+recomputation still differs gets no ``+ckpt`` choice (``UnitProfile.checkpoint_refusal`` says why).
+
 Cost, from the cost of the same choice without checkpointing (per rank, at the table's batch):
 
 - ``activation_bytes``: the unit's input bytes instead of the bytes it saves for backward;
@@ -14,10 +21,16 @@ Cost, from the cost of the same choice without checkpointing (per rank, at the t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from osdp_lightning.choices.base import Choice, ChoiceModifier, ChoiceOptions
 from osdp_lightning.cost import ChoiceCost, CostContext
@@ -40,8 +53,9 @@ def cost(base: ChoiceCost, unit: UnitProfile, choice: Choice, ctx: CostContext) 
 
 
 def allowed(unit: UnitProfile, _choice: Choice, _ctx: CostContext) -> bool:
-    """Any unit but the root (it runs the whole step) whose input bytes were recorded."""
-    return unit.name != ROOT and unit.input_bytes > 0
+    """Any unit but the root (it runs the whole step) whose input bytes were recorded and whose
+    recomputation replayed its forward when profiled."""
+    return unit.name != ROOT and unit.input_bytes > 0 and not unit.checkpoint_refusal
 
 
 def space(options: ChoiceOptions, choices: tuple[Choice, ...]) -> tuple[Choice, ...]:
@@ -59,11 +73,131 @@ def apply(model: nn.Module, module_names: tuple[str, ...], _choice: Choice, _mes
 
     NOTE: runs before the sharding choice's ``fully_shard``, the order torchtitan's ``apply_ac``
     and FSDP2's own tests use: FSDP2's hooks then gather the parameters again for the recompute.
+    A Hugging Face layer checkpoints its forward inside its call, so FSDP2's hooks run outside
+    the recompute; its pre-backward hook has gathered the parameters by then.
     """
+    for name in module_names:
+        checkpoint_module(model.get_submodule(name))
+
+
+def checkpoint_module(module: nn.Module) -> None:
+    """Recompute ``module``'s activations in backward: a Hugging Face layer through its own switch,
+    any other module with torch's composable ``checkpoint`` (hooks; the module stays as it is)."""
+    if is_hugging_face_layer(module):
+        _enable_hugging_face_checkpointing(module, _checkpoint_fn())
+        return
     from torch.distributed._composable import checkpoint
 
-    for name in module_names:
-        checkpoint(model.get_submodule(name))
+    checkpoint(module)
+
+
+def is_hugging_face_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``transformers`` ``GradientCheckpointingLayer`` (without importing
+    ``transformers``: a model built from it has loaded the module that defines the class)."""
+    layers = sys.modules.get("transformers.modeling_layers")
+    layer_class = getattr(layers, "GradientCheckpointingLayer", None)
+    return layer_class is not None and isinstance(module, layer_class)
+
+
+def _checkpoint_fn(context_fn: Callable[[], tuple] | None = None) -> Callable[..., object]:
+    """Torch's non-reentrant checkpoint (what the composable ``checkpoint`` runs), with the RNG
+    restored for the recompute."""
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    return functools.partial(torch_checkpoint, use_reentrant=False, preserve_rng_state=True, **extra)
+
+
+def _enable_hugging_face_checkpointing(module: nn.Module, checkpoint_fn: Callable[..., object]) -> None:
+    # NOTE: what PreTrainedModel.gradient_checkpointing_enable() sets on each layer. The layer then
+    # checkpoints its own forward in training, with the cache arguments it writes set to None
+    # (T5's decoder writes its cross-attention keys once and reads them back: the recompute would
+    # skip two projections, 48 saved tensors against 52, and fail in backward).
+    module.gradient_checkpointing = True
+    module._gradient_checkpointing_func = checkpoint_fn
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking at profiling time that recomputation replays
+# ---------------------------------------------------------------------------------------------
+def find_unreplayable(root: nn.Module, groups: Sequence[Mapping[str, tuple[str, ...]]],
+                      run_loss: Callable[[], torch.Tensor]) -> dict[str, str]:
+    """Units (name: the error) whose checkpointed forward and backward fail, checkpointed the way
+    :func:`checkpoint_module` does. Each group's units are checkpointed together (a block's parts go
+    in a group after the blocks'): one step per group, plus one per unit that fails. Leaves the
+    gradients empty; the caller restores anything else the steps change."""
+    refused: dict[str, str] = {}
+    for group in groups:
+        refused.update(_group_refusals(root, group, run_loss))
+    return refused
+
+
+def _group_refusals(root: nn.Module, units: Mapping[str, tuple[str, ...]],
+                    run_loss: Callable[[], torch.Tensor]) -> dict[str, str]:
+    refused: dict[str, str] = {}
+    while trying := {name: modules for name, modules in units.items() if name not in refused}:
+        recomputing: list[str] = []
+        try:
+            with contextlib.ExitStack() as stack:
+                for name, module_names in trying.items():
+                    for module_name in module_names:
+                        stack.enter_context(_checkpointed(root.get_submodule(module_name), name, recomputing))
+                run_loss().backward()
+        except Exception as err:  # any failure of a checkpointed step refuses the unit it happened in
+            # NOTE: torch raises right after the recompute that went wrong, before any other starts;
+            # an error before any recompute (in forward) has no unit to blame: all of them are refused.
+            for name in recomputing[-1:] or trying:
+                refused[name] = _first_lines(err)
+        else:
+            break
+        finally:
+            root.zero_grad(set_to_none=True)
+    return refused
+
+
+@contextlib.contextmanager
+def _checkpointed(module: nn.Module, name: str, recomputing: list[str]) -> Iterator[None]:
+    """``module`` checkpointed for the block (undone after it), noting ``name`` in ``recomputing``
+    when its recompute starts."""
+    def context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        return contextlib.nullcontext(), _noting(recomputing, name)
+
+    checkpoint_fn = _checkpoint_fn(context_fn)
+    keys = ("gradient_checkpointing", "_gradient_checkpointing_func", "forward")
+    before = {key: module.__dict__[key] for key in keys if key in module.__dict__}
+    if is_hugging_face_layer(module):
+        _enable_hugging_face_checkpointing(module, checkpoint_fn)
+    else:
+        # NOTE: composable checkpoint cannot be undone; it runs the same non-reentrant checkpoint
+        # around the module's call, so wrapping its forward tells the same.
+        module.forward = functools.partial(checkpoint_fn, module.forward)
+    try:
+        yield
+    finally:
+        for key in keys:
+            module.__dict__.pop(key, None)
+        module.__dict__.update(before)
+
+
+@contextlib.contextmanager
+def _noting(names: list[str], name: str) -> Iterator[None]:
+    names.append(name)
+    yield
+
+
+def _first_lines(err: Exception, lines: int = 3) -> str:
+    text = " ".join(line.strip() for line in str(err).splitlines()[:lines] if line.strip())
+    return f"{type(err).__name__}: {text}"
+
+
+def refusal_message(units: Sequence[UnitProfile]) -> str | None:
+    """What to tell the user before training about units (and parts) that cannot be checkpointed;
+    ``None`` when there are none."""
+    refused = [u for unit in units for u in (unit, *unit.parts) if u.checkpoint_refusal]
+    if not refused:
+        return None
+    return ("osdp: these units cannot be checkpointed (+ckpt): recomputing them in backward did not "
+            "replay their forward (the forward changes something it reads, e.g. a cache passed in as an "
+            "argument); they keep their choices without +ckpt:\n"
+            + "\n".join(f"  {u.name}: {u.checkpoint_refusal}" for u in refused))
 
 
 MODIFIER = ChoiceModifier(name=NAME, cost=cost, apply=apply, space=space, allowed=allowed)

@@ -133,6 +133,40 @@ class DropoutMLP(Regression):
         return self.head(x)
 
 
+class MemoBlock(nn.Module):
+    """Computes a projection of the step's context once and keeps it in a ``memo`` the step passes in,
+    as T5's decoder keeps its cross-attention keys in a cache: recomputed in backward, it finds the
+    projection there and skips it, so checkpointing it cannot replay its forward."""
+
+    def __init__(self, width: int, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.proj = nn.Linear(width, width)
+        self.mix = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, memo: dict[int, torch.Tensor]) -> torch.Tensor:
+        if self.index not in memo:
+            memo[self.index] = self.proj(context)  # (B, width)
+        return x + torch.relu(self.mix(x)) * memo[self.index]
+
+
+class MemoMLP(Regression):
+    """Blocks that share a per-step memo (:class:`MemoBlock`): profiling refuses to checkpoint them."""
+
+    def __init__(self, width: int = 32, depth: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MemoBlock(width, i) for i in range(depth))
+        self.head = nn.Linear(width, 1)
+        self.width = width
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        memo: dict[int, torch.Tensor] = {}
+        h = x
+        for block in self.blocks:
+            h = block(h, x, memo=memo)  # (B, width)
+        return self.head(h)
+
+
 class HuggingFaceLM(LossRecorder):
     """A Hugging Face ``transformers`` model built from a config: random weights, nothing downloaded.
 
@@ -167,5 +201,5 @@ class HuggingFaceLM(LossRecorder):
         return self.net(input_ids=tokens, labels=tokens).loss
 
 
-MODELS = {"mlp": MLP, "transformer": TorchTransformer, "tied_lm": TiedLM, "dropout_mlp": DropoutMLP,
+MODELS = {"mlp": MLP, "transformer": TorchTransformer, "tied_lm": TiedLM, "dropout_mlp": DropoutMLP, "memo_mlp": MemoMLP,
           **{f"hf_{kind}": (lambda kind=kind: HuggingFaceLM(kind)) for kind in ("gpt2", "bert", "t5")}}
