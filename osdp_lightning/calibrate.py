@@ -90,7 +90,7 @@ def measure_collectives(device: torch.device, payload_bytes: int = 8 * 2**20, re
     tiny = torch.zeros(1, device=device)
     shard = torch.ones(payload_bytes // 4 // world, device=device)
     gathered = torch.empty(shard.numel() * world, device=device)
-    a = torch.randn(512, 512, device=device)
+    a = torch.randn(512, 512, device=device, generator=torch.Generator(device).manual_seed(0))  # not the user's
 
     def all_gather(async_op: bool = False):
         with warnings.catch_warnings():  # renamed in newer torch; the old name works from 2.6 on
@@ -221,16 +221,19 @@ def _build_bench(config: str, width: int, device: torch.device, meshes: Meshes,
     from osdp_lightning.apply import apply_plan
     from osdp_lightning.split import split_linear_in_module
 
-    torch.manual_seed(0)  # same weights on every rank, as a real model has
-    stack = _Stack(width, STACK_DEPTH).to(device)
-    root = _StackRoot(stack, torch.randn(STACK_ROWS, width, device=device))
-    world = meshes.shard.size()
-    if config == "local_split":
-        for i in range(STACK_DEPTH):
-            split_linear_in_module(stack, f"layers.{i}", 2)
-    elif config != "local":
-        root_choice = "zero3" if config == SPLIT_CHOICE else config  # a split's biases live in the root
-        apply_plan(stack, root, _stack_plan(STACK_DEPTH, width, config, root_choice, world), meshes)
+    # NOTE: seeded, for the same weights on every rank as a real model has, in a fork of the random
+    # states: the stream the user's training draws from (dropout) must not move.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        stack = _Stack(width, STACK_DEPTH).to(device)
+        root = _StackRoot(stack, torch.randn(STACK_ROWS, width, device=device))
+        world = meshes.shard.size()
+        if config == "local_split":  # SplitLinear initialises its slices: a draw
+            for i in range(STACK_DEPTH):
+                split_linear_in_module(stack, f"layers.{i}", 2)
+        elif config != "local":
+            root_choice = "zero3" if config == SPLIT_CHOICE else config  # a split's biases live in the root
+            apply_plan(stack, root, _stack_plan(STACK_DEPTH, width, config, root_choice, world), meshes)
     clone = clone_optimizer(optimizer, list(root.parameters())) if optimizer is not None else None
     return _Bench(root, clone, [], [])
 

@@ -245,23 +245,12 @@ class OSDPStrategy(ModelParallelStrategy):
         else:
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
-            self._plan = self._decide_plan(trainer, module)
-            rank_zero_info(f"osdp plan ({self.world_size} ranks):\n{self._plan.format_table()}\n"
-                           f"{format_comparison(self._plan)}")
-            log_plan(trainer, self._plan)
-            apply_start = time.perf_counter()
-            self._meshes = self._meshes or build_meshes(self.root_device.type, self.world_size)
-            self._root = _RootWrapper(module)
-            with all_ranks_succeed("applying the osdp plan"):  # no rank waits for a failed one
-                apply_plan(module, self._root, self._plan, self._meshes, build_reducer=False)
-            build_replicate_reducer(self._root)  # a collective: only once every rank applied its part
-            self.model = self._root
-            self.setup_s = {
-                "calibrate_s": (self._timings.calibrate_s if self._timings else 0.0)
-                + (self._step_terms.calibrate_s if self._step_terms else 0.0),
-                "profile_s": self._plan.profile_s, "solve_s": self._plan.solve_s,
-                "apply_s": time.perf_counter() - apply_start}
-            rank_zero_info("osdp setup: " + ", ".join(f"{k[:-2]} {v:.3f} s" for k, v in self.setup_s.items()))
+            # NOTE: planning and applying draw random numbers on some or all ranks (calibration seeds
+            # the generator and fills tensors, profiling runs the user's step with its dropout,
+            # SplitLinear initialises its slices); the first training step must draw what it draws
+            # under DDP, so every rank leaves with the random states it came with.
+            with preserved_rng():
+                self._plan_and_apply(trainer, module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -271,7 +260,27 @@ class OSDPStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    # -- deciding the plan ---------------------------------------------------------------------
+    def _plan_and_apply(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        """Calibrate, profile and solve (or take the given plan), then shard ``module`` by the plan."""
+        self._plan = self._decide_plan(trainer, module)
+        rank_zero_info(f"osdp plan ({self.world_size} ranks):\n{self._plan.format_table()}\n"
+                       f"{format_comparison(self._plan)}")
+        log_plan(trainer, self._plan)
+        apply_start = time.perf_counter()
+        self._meshes = self._meshes or build_meshes(self.root_device.type, self.world_size)
+        self._root = _RootWrapper(module)
+        with all_ranks_succeed("applying the osdp plan"):  # no rank waits for a failed one
+            apply_plan(module, self._root, self._plan, self._meshes, build_reducer=False)
+        build_replicate_reducer(self._root)  # a collective: only once every rank applied its part
+        self.model = self._root
+        self.setup_s = {
+            "calibrate_s": (self._timings.calibrate_s if self._timings else 0.0)
+            + (self._step_terms.calibrate_s if self._step_terms else 0.0),
+            "profile_s": self._plan.profile_s, "solve_s": self._plan.solve_s,
+            "apply_s": time.perf_counter() - apply_start}
+        rank_zero_info("osdp setup: " + ", ".join(f"{k[:-2]} {v:.3f} s" for k, v in self.setup_s.items()))
+
+    # -- deciding the plan (inside setup's preserved_rng: it may draw random numbers freely) -----
     def _decide_plan(self, trainer: pl.Trainer, module: pl.LightningModule) -> Plan:
         if self.world_size == 1:
             rank_zero_info("osdp: one process, nothing to shard across; every unit is replicated "
@@ -282,8 +291,7 @@ class OSDPStrategy(ModelParallelStrategy):
                 # NOTE: a saved plan skips calibration, whose collectives also warm the process group
                 # up: without them the same all-replicate plan ran 0.15 s a step instead of 0.11 for
                 # the whole run (GPT 4 x 384, 2 gloo ranks; a tiny all-reduce and an all-gather suffice).
-                with preserved_rng():  # it draws random numbers: dropout must match an unwarmed run
-                    self._timings = measure_collectives(self.root_device)
+                self._timings = measure_collectives(self.root_device)
             return self._plan_source
         if self.micro_batch_size not in (None, "auto"):
             _set_batch_size(trainer, module, int(self.micro_batch_size))
@@ -316,8 +324,7 @@ class OSDPStrategy(ModelParallelStrategy):
         return plan
 
     def _profile_and_solve(self, trainer: pl.Trainer, module: pl.LightningModule) -> tuple[ModelProfile, Plan]:
-        with preserved_rng():
-            batch = _first_training_batch(trainer, module, self)
+        batch = _first_training_batch(trainer, module, self)
         optimizer = configured_optimizer(module)
         if self.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.root_device)
@@ -469,6 +476,31 @@ def _first_training_batch(trainer: pl.Trainer, module: pl.LightningModule, strat
     if trainer.state.fn != TrainerFn.FITTING or not source.is_defined():
         return None  # profile with example_input_array
     loader = source.dataloader()
-    batch = next(iter(loader))
+    # NOTE: a loader's own generators (its shuffle, its workers' base seed) are not the global ones
+    # that preserved_rng restores; a loader the user hands out again must start its epoch as under DDP.
+    generators = _loader_generators(loader)
+    states = [g.get_state() for g in generators]
+    try:
+        batch = next(iter(loader))
+    finally:
+        for generator, state in zip(generators, states, strict=True):
+            generator.set_state(state)
     return strategy.batch_to_device(batch, strategy.root_device)
+
+
+def _loader_generators(loader: Any) -> list[torch.Generator]:
+    """The generators a data loader (or a dict or sequence of them) and its samplers draw from."""
+    if isinstance(loader, Mapping):
+        return [g for item in loader.values() for g in _loader_generators(item)]
+    if isinstance(loader, (list, tuple)):
+        return [g for item in loader for g in _loader_generators(item)]
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    holders = (loader, sampler, batch_sampler, getattr(batch_sampler, "sampler", None))
+    found: list[torch.Generator] = []
+    for holder in holders:
+        generator = getattr(holder, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+            found.append(generator)
+    return found
 

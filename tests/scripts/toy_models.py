@@ -203,3 +203,22 @@ class HuggingFaceLM(LossRecorder):
 
 MODELS = {"mlp": MLP, "transformer": TorchTransformer, "tied_lm": TiedLM, "dropout_mlp": DropoutMLP, "memo_mlp": MemoMLP,
           **{f"hf_{kind}": (lambda kind=kind: HuggingFaceLM(kind)) for kind in ("gpt2", "bert", "t5")}}
+
+
+class DropoutGPT2(LossRecorder):
+    """Hugging Face GPT-2 (3 blocks x 64) with dropout 0.1 everywhere, random weights, nothing downloaded:
+    its masks in the first step must be DDP's whatever setup drew while planning."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers as hf
+
+        self.net = hf.GPT2LMHeadModel(hf.GPT2Config(
+            vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=3, n_head=4, resid_pdrop=0.1, embd_pdrop=0.1,
+            attn_pdrop=0.1, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+    make_data = HuggingFaceLM.make_data
+    compute_loss = HuggingFaceLM.compute_loss
+
+
+MODELS["hf_gpt2_dropout"] = DropoutGPT2
