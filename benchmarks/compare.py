@@ -1,7 +1,7 @@
 """Throughput of osdp against DDP / ZeRO-2 / ZeRO-3 at equal memory budgets, and how true its predictions are.
 
     ./dev bench compare                             # the default: GPT on 2 CPU ranks, ~10 minutes
-    python -m benchmarks.compare --rounds 3 --out-dir docs/benchmarks
+    python -m benchmarks.compare --rounds 3 --out-dir bench_out/compare
     python -m benchmarks.compare --accelerator cuda --devices 1 --preset cuda
 
 Every run is a separate multi-process launch of :mod:`benchmarks.compare_worker` with the same
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -180,7 +181,7 @@ def warm_calibrations(settings: dict[str, int], args: argparse.Namespace, work: 
     """``--warm-calibrations`` short launches before the measured runs, each calibrating into the
     benchmark's cache. Without them the first runs are priced with one, then two calibrations, and
     one calibration is more than 15% off for a block's FSDP2 work in 11-33% of launches
-    (docs/benchmarks.md, tenth session): one such draw sent a whole run's plans to leaf units. With
+    (docs/design.md section 7): one such draw sent a whole run's plans to leaf units. With
     ``CACHE_DRAWS - 1`` of them the first measured run makes the last draw and every later one,
     osdp's planning launches included, is priced with the median."""
     if args.devices < 2:  # one process calibrates nothing
@@ -259,7 +260,20 @@ def describe_machine(args: argparse.Namespace, settings: dict[str, int], params:
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(memory_gib, 1), "gpu": gpu,
             "accelerator": args.accelerator, "devices": args.devices, "torch": torch.__version__,
             "python": platform.python_version(), "model": settings, "param_count": params,
-            "rounds": args.rounds, "command": " ".join(["osdp-bench", *sys.argv[1:]])}
+            "rounds": args.rounds, "command": " ".join(["osdp-bench", *sys.argv[1:]]),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": source_commit()}
+
+
+def source_commit() -> str:
+    """The checkout's commit, with ``+changes`` when tracked files differ from it (``n/a`` outside git)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()
+
+    try:
+        return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "-uno") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "n/a"
 
 
 def main(argv: list[str] | None = None) -> int:

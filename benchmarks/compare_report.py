@@ -17,7 +17,8 @@ from typing import Any
 MIB = 2**20
 MEM_ERROR_TARGET, STEP_ERROR_TARGET = 0.05, 0.20
 STEP_MEDIAN_ERROR_TARGET = 0.10
-"""Issue 10: median |step-time error| over all methods and budgets (15% on other shapes than the default)."""
+"""Target of the step model: median |step-time error| over all methods and budgets (15% on other shapes
+than the default)."""
 
 
 def label_of(method: str, fraction: float | None) -> str:
@@ -188,7 +189,7 @@ STEP_PARTS = ("predicted_compute_s", "predicted_optimizer_s", "predicted_overhea
 
 
 def step_parts_table(rows: list[dict[str, Any]]) -> str:
-    """The predicted step by part (issue 10), beside the measured step and optimizer phase."""
+    """The predicted step by part, beside the measured step and optimizer phase."""
     lines = ["| method | measured step s | predicted step s (err) | compute s | optimizer s (measured) | FSDP overhead s "
              "| exposed comm s | loop s |", "|" + "---|" * 8]
     for r in rows:
@@ -203,7 +204,7 @@ def step_parts_table(rows: list[dict[str, Any]]) -> str:
 
 
 def verdicts(rows: list[dict[str, Any]], runs: list[dict]) -> list[str]:
-    """The issue's targets, each with the numbers behind its verdict."""
+    """The benchmark's targets, each with the numbers behind its verdict."""
     by_fraction = {r["fraction"]: r for r in rows if r["fraction"] is not None and r["status"] == "ok"
                    and r["method"].startswith("osdp @")}
     osdp_runs = [r for r in runs if r["method"] == "osdp" and r["status"] == "ok"]
@@ -238,7 +239,7 @@ def verdicts(rows: list[dict[str, Any]], runs: list[dict]) -> list[str]:
 
 
 def _ddp_verdicts(rows: list[dict[str, Any]]) -> list[str]:
-    """Issue 17: where everything fits, osdp runs at the speed of Lightning's ``strategy="ddp"``."""
+    """Where everything fits, osdp runs at the speed of Lightning's ``strategy="ddp"``."""
     by_method = {r["method"]: r for r in rows if r["fraction"] is None and r["status"] == "ok"}
     lines = []
     for method, target, name in (("osdp-default", 0.97, "osdp at its default budget (everything fits)"),
@@ -251,7 +252,7 @@ def _ddp_verdicts(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _hand_fsdp2_verdicts(rows: list[dict[str, Any]]) -> list[str]:
-    """Issue 18: against FSDP2 as Lightning documents it (``fsdp2``: one unit per block)."""
+    """Against FSDP2 as Lightning documents it (``fsdp2``: one unit per block)."""
     hand = next((r for r in rows if r["method"] == "fsdp2" and r["status"] == "ok"), None)
     if hand is None:
         return ["- osdp against the hand-written FSDP2: n/a (fsdp2 not run)"]
@@ -302,13 +303,11 @@ def write_outputs(out_dir: Path, machine: dict[str, Any], rows: list[dict[str, A
     fields = sorted({k for r in rows for k in r}, key=lambda k: (k != "method", k))
     write_csv(out_dir / "compare.csv", rows, fields)
     write_csv(out_dir / "compare_runs.csv", [_run_csv_row(r) for r in runs], _RUN_FIELDS)
-    (out_dir / "compare_runs.json").write_text(json.dumps({"machine": machine, "runs": runs}, indent=1,
+    # NOTE: compact: a run records its profile, plan and per-module memory, and reports are kept in docs/
+    (out_dir / "compare_runs.json").write_text(json.dumps({"machine": machine, "runs": runs}, separators=(",", ":"),
                                                           default=str) + "\n")
-    from benchmarks.compare_fit import fit_table  # it imports this module
-
     parts = [f"machine: {json.dumps(machine, default=str)}", "", results_table(rows), "",
-             breakdown_table(rows), "", step_parts_table(rows), "", "targets:", *verdicts(rows, runs), "",
-             "step-time terms the plan lacks (prototype, fitted on the uniform runs only):", fit_table(runs)]
+             breakdown_table(rows), "", step_parts_table(rows), "", "targets:", *verdicts(rows, runs)]
     if plot:
         from benchmarks.compare_plot import plot_results
 

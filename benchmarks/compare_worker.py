@@ -58,7 +58,7 @@ class HandFSDP2GPT(GPTLitModule):
 
 class HandFSDP2CheckpointGPT(GPTLitModule):
     """zero3 + activation checkpointing of every block, as a user sets it up by hand: torch's
-    checkpointing, then ``fully_shard``, on each transformer block (issue 11's baseline)."""
+    checkpointing, then ``fully_shard``, on each transformer block (the baseline for tight budgets)."""
 
     def configure_model(self) -> None:
         from torch.distributed._composable import checkpoint
@@ -217,7 +217,7 @@ def main() -> None:
     # NOTE: without destroying the group, multi-process runs abort at exit (-6); and the hand-written
     # FSDP2 leaves its groups referenced from the module's FSDP2 state, as osdp's would be. The exit
     # handler destroys the group and frees them while the interpreter is alive, not in its
-    # finalization (one hand-FSDP2 run of 21 ended in SIGABRT after a finished fit, eleventh session).
+    # finalization (one hand-FSDP2 run of 21 ended in SIGABRT after a finished fit before the handler did this).
     release_at_exit()
     trainer, record = run(args)
     if trainer.global_rank == 0:

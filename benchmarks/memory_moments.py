@@ -1,6 +1,6 @@
 """Where a step peaks, unit by unit: the memory model's moments beside FSDPMemTracker's.
 
-    python -m benchmarks.memory_moments docs/benchmarks/seventh/moments/l_smallest.json
+    python -m benchmarks.memory_moments docs/benchmarks/hand_fsdp2_default/compare_runs.json
     python -m benchmarks.memory_moments run.json --method osdp     (a compare_worker output)
 
 For every osdp run of an ``osdp-bench`` runs file (or one ``compare_worker`` record) that kept its

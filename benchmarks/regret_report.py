@@ -166,7 +166,7 @@ def verdicts(budget_rows: list[dict[str, Any]]) -> list[str]:
 
 def write_outputs(out_dir: Path, machine: dict[str, Any], shapes: list[dict[str, Any]], plot: bool = True) -> str:
     """Write regret.md, regret_runs.json (and regret.png); return the markdown."""
-    (out_dir / "regret_runs.json").write_text(json.dumps({"machine": machine, "shapes": shapes}, indent=1,
+    (out_dir / "regret_runs.json").write_text(json.dumps({"machine": machine, "shapes": shapes}, separators=(",", ":"),
                                                          default=str) + "\n")
     per_shape = [(shape, measured(shape)) for shape in shapes]
     budget_rows = [budget_row(shape, rows, label, budget) for shape, rows in per_shape

@@ -1,6 +1,6 @@
 """Price the memory of recorded ``osdp-bench`` runs again with today's memory model.
 
-    python -m benchmarks.reprice_memory docs/benchmarks/memory_fixes/compare_runs.json [more runs files]
+    python -m benchmarks.reprice_memory docs/benchmarks/compare_default/compare_runs.json [more runs files]
 
 Each osdp run's own profile and plan (units, choices, micro-batch, world size) are priced by the
 cost model and the ILP's evaluator (``build_choice_table`` / ``peak_bytes``) and set beside the
@@ -20,10 +20,30 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from benchmarks.replan import cluster_of, profile_from_dict
+from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.cost import ChoiceTable, build_choice_table
-from osdp_lightning.profile import ModelProfile, with_units
+from osdp_lightning.profile import ModelProfile, UnitProfile, with_units
 from osdp_lightning.solve import peak_bytes
+
+
+def profile_from_dict(data: dict[str, Any]) -> ModelProfile:
+    """The inverse of ``dataclasses.asdict`` for a profile read back from JSON (lists to tuples)."""
+    return ModelProfile(**{**data, "units": tuple(_unit_from_dict(u) for u in data["units"])})
+
+
+def _unit_from_dict(u: dict[str, Any]) -> UnitProfile:
+    return UnitProfile(**{**u, "module_names": tuple(u["module_names"]),
+                          "linear_shape": tuple(u["linear_shape"]) if u.get("linear_shape") else None,
+                          "split_overhead_s": tuple(tuple(x) for x in u.get("split_overhead_s", ())),
+                          "parts": tuple(_unit_from_dict(p) for p in u.get("parts", ()))})
+
+
+def cluster_of(plan: dict[str, Any]) -> ClusterSpec:
+    """The cluster a recorded plan (a plan dict of a runs file) was made for: its ranks, budget and links."""
+    return ClusterSpec(world_size=plan["world_size"], memory_budget_bytes=plan["memory_budget_bytes"],
+                       collective_latency_s=plan["collective_latency_s"],
+                       bandwidth_bytes_per_s=plan["bandwidth_bytes_per_s"],
+                       overlap_efficiency=plan["overlap_efficiency"])
 
 
 def _profile_of(run: dict[str, Any]) -> ModelProfile | None:

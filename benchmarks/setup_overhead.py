@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         run_worker(args.models, args.steps, args.out, "cpu", 2)
         return 0
-    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"load average at start: {load_start}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="osdp-setup-") as tmp:
         for model in (m.strip() for m in args.models.split(",") if m.strip()):
@@ -142,9 +143,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {model}: {json.dumps(rows[-1], default=str)[:300]}", flush=True)
     table = format_table(rows)
     print(table)
-    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    load_end = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"load average at end: {load_end}")
     if args.out:
-        args.out.write_text(table + "\n")
+        from benchmarks.compare import source_commit
+
+        command = " ".join(["python -m benchmarks.setup_overhead", *(sys.argv[1:] if argv is None else argv)])
+        args.out.write_text(f"# Setup cost of the osdp strategy per recipe\n\n`{command}` on {os.cpu_count()} cores, "
+                            f"2 ranks; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {source_commit()}; "
+                            f"load average {load_start} at start, {load_end} at the end.\n\n{table}\n")
     return 1 if any("error" in r for r in rows) else 0
 
 

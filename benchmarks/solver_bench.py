@@ -1,7 +1,7 @@
 """Solver benchmark: HiGHS against CBC (and the OSDP authors' knapsack DP) on the same tables.
 
-Run with ``python -m benchmarks.solver_bench [--quick]``. Prints markdown tables; the targets of
-issue 12 are printed beside the figures, never asserted.
+Run with ``python -m benchmarks.solver_bench [--quick]``. Prints markdown tables; the solver's
+time targets are printed beside the figures, never asserted.
 
 - Synthetic tables from the project's own cost model (:func:`~osdp_lightning.cost.build_choice_table`)
   on a GPT-2-XL-like stack of Linear units (hidden 1536; qkv, attention out, MLP up, MLP down per
@@ -213,7 +213,7 @@ def format_plans(plans: list[dict[str, Any]], header: bool = True) -> str:
 
 
 def targets(rows: list[dict[str, Any]], plans: list[dict[str, Any]]) -> str:
-    """Issue 12's targets, met or not (wall seconds of HiGHS, the default)."""
+    """The solver's time targets, met or not (wall seconds of HiGHS, the default)."""
     def wall(table: str, budget: str) -> float | None:
         found = [r["wall_s"] for r in rows if r["table"] == table and r["budget"] == budget and r["solver"] == "highs"]
         return found[0] if found else None

@@ -1,4 +1,4 @@
-"""The comparison and setup-overhead benchmarks: report logic in-process, one tiny 2-rank smoke run."""
+"""The comparison, setup-overhead and memory-repricing benchmarks: report logic in-process, one tiny 2-rank smoke run."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from ckpt_launch import run_ranks_in_pool
 
-from benchmarks import compare, compare_fit, compare_report, setup_overhead
+from benchmarks import compare, compare_report, setup_overhead
 from benchmarks.compare_worker import _SMALLEST_RE
 from osdp_lightning import InfeasibleBudgetError, make_plan
 from osdp_lightning.cluster import ClusterSpec
@@ -67,7 +67,8 @@ def test_outputs_are_written(tmp_path: Path) -> None:
     text = compare_report.write_outputs(tmp_path, machine, rows, runs, plot=True)
     assert "| osdp @ 70% | 70.00 | 540 |" in text
     assert (tmp_path / "compare.png").stat().st_size > 10_000
-    assert "| osdp @ 70% | 0.1000 |" in text  # the fitted step-time terms, priced for each osdp row
+    assert "| osdp @ 70% | 0.1000 |" in text  # its row of the step breakdown
+    assert "prototype" not in text and "terms the plan lacks" not in text  # no experimental fit in the report
     with (tmp_path / "compare.csv").open() as handle:
         assert [r["method"] for r in csv.DictReader(handle)][:3] == ["ddp", "zero3", "osdp @ 100%"]
     assert len(json.loads((tmp_path / "compare_runs.json").read_text())["runs"]) == len(runs)
@@ -150,47 +151,23 @@ def test_compare_smoke_two_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert "| unit | choice |" in table_of(osdp) and osdp["summary"]["module_memory_rank"] in (0, 1)
 
 
-def test_fitted_terms_price_a_mixed_plan() -> None:
-    """Uniform runs made from known per-parameter rates: the fit recovers them and prices a mix."""
-    own, opt, fixed, params = {"replicate": 1e-8, "zero2": 2e-8, "zero3": 3e-8}, 5e-9, 0.004, 1000
-
-    def run(method: str, choices: list[str]) -> dict:
-        units = [{"param_count": params // 2, "choice": c, "predicted_comm_s": 0.01} for c in choices]
-        # forward: the profiled compute; backward: FSDP2's own work plus the two units' collectives
-        phases = {"forward_s": 0.05, "backward_s": sum(own[c] * params / 2 for c in choices) + 0.02,
-                  "optimizer_s": opt * params}
-        step = sum(phases.values()) + fixed
-        return {"method": method, "fraction": None if method != "osdp" else 0.7, "round": 0, "status": "ok",
-                "phases": phases, "profile_step_s": 0.05, "plan": {"units": units},
-                "summary": {"step_s": step, "predicted_step_s": 0.07}}
-
-    runs = [run(m, [c, c]) for m, c in (("osdp-replicate", "replicate"), ("zero2", "zero2"), ("zero3", "zero3"))]
-    terms = compare_fit.fit_terms(runs)
-    assert terms["own_s_per_param"]["zero2"] == pytest.approx(2e-8) and terms["fixed_s"] == pytest.approx(fixed)
-    mixed = run("osdp", ["replicate", "zero3"])
-    assert compare_fit.corrected_step_s(mixed, terms) == pytest.approx(mixed["summary"]["step_s"])
-    assert compare_fit.choice_mix("split(k=4, sharded=1)") == {"zero3": 0.25, "replicate": 0.75}
-
-
-def test_replan_reads_back_a_profile_and_prices_choices() -> None:
+def test_a_recorded_profile_reads_back_for_repricing() -> None:
+    """The memory tools price a run again from its JSON record: the profile reads back as it was
+    saved, and the plan's cluster is the one it was made for."""
     import dataclasses
 
-    from benchmarks import replan
-    from osdp_lightning.cost import build_choice_table
+    from benchmarks.reprice_memory import cluster_of, profile_from_dict
 
     unit = UnitProfile(name="a", module_names=("a",), param_count=1000, frozen_param_count=0, forward_s=1e-3,
                        backward_s=2e-3, activation_bytes=100, linear_shape=(10, 100), split_overhead_s=((2, 1e-4),))
     profile = ModelProfile(units=(unit,), micro_batch_size=1, param_bytes_per_element=4, grad_bytes_per_element=4,
                            compute_bytes_per_element=4, reduce_bytes_per_element=4, optimizer_bytes_per_param=8,
                            activation_bytes=100)
-    assert replan.profile_from_dict(json.loads(json.dumps(dataclasses.asdict(profile)))) == profile
-    cluster = ClusterSpec(world_size=2, memory_budget_bytes=10**6, collective_latency_s=1e-4, bandwidth_bytes_per_s=1e9)
-    table = build_choice_table(profile, cluster)
-    terms = {"own_s_per_param": {"replicate": 1e-6, "zero2": 2e-6, "zero3": 3e-6},
-             "optimizer_s_per_param": {"replicate": 0.0, "zero2": 0.0, "zero3": 0.0}}
-    priced = replan.priced_table(table, profile, terms)
-    extra = [p.compute_s - c.compute_s for p, c in zip(priced.units[0].choices, table.units[0].choices, strict=True)]
-    assert extra == pytest.approx([1e-3, 2e-3, 3e-3])
+    assert profile_from_dict(json.loads(json.dumps(dataclasses.asdict(profile)))) == profile
+    plan = {"world_size": 2, "memory_budget_bytes": 10**6, "collective_latency_s": 1e-4,
+            "bandwidth_bytes_per_s": 1e9, "overlap_efficiency": 0.0}
+    cluster = cluster_of(plan)
+    assert (cluster.world_size, cluster.memory_budget_bytes, cluster.headroom_bytes) == (2, 10**6, 0)
 
 
 def test_every_method_has_a_colour_in_the_plot() -> None:

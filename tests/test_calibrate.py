@@ -230,16 +230,3 @@ def test_step_terms_enter_the_predicted_step() -> None:
         assert after.predicted_step_s == pytest.approx(0.12 + optimizer + overhead + comm + terms.loop_step_s)
         assert before.predicted_overhead_s == before.predicted_optimizer_s == before.predicted_loop_s == 0.0
         assert "optimizer" in after.format_table() and after.step_terms_source == "defaults"
-
-
-def test_the_spread_benchmark_reports_single_calibrations_against_medians_of_three() -> None:
-    """benchmarks.calibration_spread on four synthetic calibrations, one of them twice as slow."""
-    from benchmarks.calibration_spread import BLOCK_BYTES, block_s, report
-
-    draws = [some_terms(), some_terms(), scaled(some_terms(), 2.0), some_terms()]
-    nbytes = BLOCK_BYTES["4 x 384 block"]
-    assert block_s(draws[2], "zero3", nbytes) == pytest.approx(2 * block_s(draws[0], "zero3", nbytes))
-    lines = report(draws)
-    assert lines[0] == "4 calibrations, 4 medians of 3"
-    rows = [line for line in lines if line.startswith("| 4 x 384 block, zero3")]
-    assert len(rows) == 1 and rows[0].endswith("| 25% / 0% |")  # the slow one alone is off; no median is

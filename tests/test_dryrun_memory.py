@@ -6,8 +6,8 @@ by the whole gradients of its replicated units on top: all-replicate is predicte
 transient is one gradient tensor now; the rest of the error is the dry run's estimated
 activations, which a measured profile does not have: -0.7% on 2 real ranks), a conservative
 error. Sharded plans are within 0-2.2% since the model holds the reduce-scatter input, gives back
-the sharded gradients not made yet and prices each unit's measured backward rise (eighth session;
-zero3+ckpt was +4.5% / +0.7% before, right for the wrong reasons)."""
+the sharded gradients not made yet and prices each unit's measured backward rise (zero3+ckpt
+was +4.5% / +0.7% before that, right for the wrong reasons)."""
 
 from __future__ import annotations
 

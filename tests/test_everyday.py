@@ -1,4 +1,4 @@
-"""Everyday Lightning under a mixed plan (issue 13): gradient clipping and accumulation equal DDP's,
+"""Everyday Lightning under a mixed plan: gradient clipping and accumulation equal DDP's,
 bad input gets Lightning's own answer, the profiling flag."""
 
 from __future__ import annotations

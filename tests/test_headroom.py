@@ -1,4 +1,4 @@
-"""The smallest budget that fits, under every headroom rule (issue 16): exact to the byte.
+"""The smallest budget that fits, under every headroom rule: exact to the byte.
 
 A plan keeps ``max(headroom_bytes, headroom_fraction * budget)`` free. The smallest budget an
 InfeasibleBudgetError names must plan, and one byte less must not; a budget at or below the
@@ -114,7 +114,7 @@ def test_gpt_small_on_a100_at_2_2_5_and_3_8_gib(gpt_small_dry_run) -> None:
     assert isinstance(at_headroom, str)
     assert re.search(r"budget of 2.00 GiB per rank is not more than the headroom plans keep free, 2.00 GiB", at_headroom)
     assert "cluster.headroom" in at_headroom
-    # NOTE: 2.5 GiB since the eighth session's memory model (the smallest plan: 2.86 GiB; was 3.0+)
+    # NOTE: 2.5 GiB since the memory model gives back sharded gradients not made yet (smallest plan 2.86 GiB; was 3.0+)
     too_small = plan_osdp(gpt_small_dry_run, "2.5GiB")  # was: a figure scaled as if the headroom were a share
     assert isinstance(too_small, str) and "no plan fits the memory budget of 2.50 GiB" in too_small
     smallest = int(_SMALLEST_RE.search(too_small).group(1))

@@ -96,8 +96,8 @@ def test_every_rank_gets_the_thread_count_lightning_ddp_sets(train, monkeypatch:
 def test_replicated_units_beside_sharded_ones_are_measured_with_their_parameters(train) -> None:
     """FSDPMemTracker counts only the parameters FSDP2 manages: beside zero3 units, the replicated
     ones (plain tensors on DDP's reducer) and their gradient buckets went uncounted, and mixed plans
-    measured up to 7% below their predictions (docs/benchmarks.md, eleventh session). The summary
-    now tracks such a model with MemTracker, which registers every parameter."""
+    measured up to 7% below their predictions (docs/design.md section 6). The summary now tracks
+    such a model with MemTracker, which registers every parameter."""
     result = train("mixed-memory", "--model", "mlp", "--choices", "net.0=replicate;net.2=replicate;<root>=replicate")
     plan, summary = result[0]["plan"], result[0]["summary"]
     assert {u["choice"] for u in plan["units"]} == {"replicate", "zero3"}
