@@ -24,10 +24,10 @@ Within the budget, plans keep a headroom free for what the cost model misses
 - CPU: :data:`PLAN_HEADROOM_FRACTION` (4%): above the memory model's largest measured miss here.
   Every plan of every recorded benchmark priced by today's model (``benchmarks.reprice_memory``,
   20 runs files, 2 gloo ranks, FSDPMemTracker peaks): at most 2.8% under (uniform zero3 on the
-  GPT 2 x 512 in the launches that peak 6.33 MiB higher, docs/benchmarks.md "Seventh session"),
+  GPT 2 x 512 in the launches that peak 6.33 MiB higher; docs/design.md section 7),
   2.7% (a checkpointed replicated block, same GPT); over-counts reach +12% (checkpointed plans).
   Earlier, mixes of replicated and zero3 *leaf* units were 2.1% and 3.4% under and ran over 2%
-  and 3% headrooms (docs/benchmarks.md section 0);
+  and 3% headrooms;
 - CUDA: that plus the caching allocator's fragmentation measured while profiling (reserved over
   allocated bytes at the peak, at most 10%), else :data:`CUDA_PLAN_HEADROOM_FRACTION` (5%, not
   measured on a GPU here).

@@ -130,7 +130,7 @@ CACHE_DRAWS = 3
 """Calibrations the cache keeps; a launch uses their per-term median. On this project's 2-core VM
 one block's priced FSDP2 work was more than 15% off the median of nine calibrations in 11-33% of
 single calibrations and 0-8% of medians of three; one that priced uniform zero3 27% high went into
-every later launch of its benchmark (docs/benchmarks.md, "Tenth session"). So the first launches on
+every later launch of its benchmark (docs/design.md section 7). So the first launches on
 a machine each measure and add theirs until there are this many."""
 CACHE_MAX_AGE_S = 7 * 24 * 3600.0
 """A cache older than this is stale (machines change: drivers, load, other tenants)."""
@@ -138,14 +138,14 @@ COLLECTIVE_BYTES = (64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
 """Unsharded bytes of the timed sizes of each collective. NOTE: on gloo the fit through two sizes
 (64 KiB, 2 MiB) moved the all-reduce rate by 4x from one calibration to the next; the rate is now a
 least-squares slope through sizes up to a transformer block's (16 MiB), the constant the smallest
-size's time (docs/benchmarks.md section 0)."""
+size's time."""
 COLLECTIVE_REPEATS = 7
 BENCH_ROUNDS_S = 1.6
 """Seconds the timed bench rounds may take: at least five rounds, more while they fit (a fast
 machine takes many; this project's 2-core VM about 9). Medians of 3-5 moved FSDP2's per-byte
 cost by 2x from one calibration to the next here; with 1.2 s (7 rounds) the predicted
 all-replicate step of the GPT bench preset still ranged 0.117-0.152 s over 9 calibrations on a
-quiet machine, with 1.8 s 0.111-0.126 s over 5 (measured: 0.106-0.115 s; docs/benchmarks.md)."""
+quiet machine, with 1.8 s 0.111-0.126 s over 5 (measured: 0.106-0.115 s)."""
 MAX_BENCH_ROUNDS = 25
 STACK_WIDTHS = (64, 256, 768)
 """Widths of the Linear stacks (16 KiB, 256 KiB and 2.3 MiB per unit): the smallest pins the
@@ -161,7 +161,7 @@ BUSY_CPU_SHARE = 0.65
 """Below this share a calibration is used but not cached (:func:`busy_reason`). Beside one busy
 process on those 2 cores the ranks got 0.52-0.55 of a core and zero3's per-group constant rose from
 5.8 to 8.1 ms; beside two, 0.40-0.44 and 14.5 ms (means of 3-4 calibrations). A cache written then
-over-priced sharding in every later launch (docs/benchmarks.md, "Ninth session")."""
+over-priced sharding in every later launch (docs/design.md section 7)."""
 
 
 class _Stack(nn.Module):

@@ -126,7 +126,7 @@ def _machinery(kind: str) -> str:
 # Defaults per device kind (dry runs; a cluster config's ``step_model:`` overrides any of them)
 # ---------------------------------------------------------------------------------------------
 # NOTE: CPU figures are this project's machine on a quiet day (2 gloo ranks, one thread each, fp32
-# AdamW; docs/benchmarks.md section 2, "step anatomy", load 0.6): gloo all-gather 0.48 GB/s of bus
+# AdamW; a timed step taken apart phase by phase, load 0.6; docs/design.md section 7): gloo all-gather 0.48 GB/s of bus
 # bytes, reduce-scatter and all-reduce about 2x slower per byte; FSDP2's own work 1.5-2.5 ms per
 # group plus 0.8-1.8 ns per byte; AdamW 5.1 ns per parameter on plain tensors, 4.7 ns per whole
 # parameter sharded; the loop about 5 ms. GPU figures are estimates, not measurements (no GPU was
@@ -134,7 +134,7 @@ def _machinery(kind: str) -> str:
 # AdamW reads and writes about 7 bytes per parameter byte at HBM speed.
 DEFAULT_TERMS: dict[str, dict[str, Any]] = {
     "cpu": {
-        # gloo has no native reduce-scatter: it costs about an all-reduce (step_anatomy.md)
+        # gloo has no native reduce-scatter: it costs about an all-reduce (measured per byte here)
         "collective_byte_factors": {ALL_GATHER: 1.0, REDUCE_SCATTER: 2.4, ALL_REDUCE: 1.9},
         "overhead": {"replicate": [1.5e-3, 0.8e-9], "zero2": [1.5e-3, 0.9e-9], "zero3": [2.5e-3, 1.8e-9],
                      SPLIT_REPLICATED: [1.5e-3, 0.9e-9]},
