@@ -10,8 +10,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from conftest import CliHere
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
+from test_cli import plan_gpt_tiny
 
 from osdp_lightning import OSDPStrategy
 from osdp_lightning.budget import (
@@ -102,10 +104,8 @@ def test_budget_forms_in_conf_reach_the_strategy_and_the_planner() -> None:
     assert cluster_spec(share.cluster).memory_budget_bytes == 40 * GIB  # half of memory_per_device
 
 
-def test_osdp_plan_resolves_a_share_of_the_ddp_peak_after_profiling(tmp_path: Path) -> None:
-    from test_cli import plan_gpt_tiny
-
-    proc, run_dir = plan_gpt_tiny(tmp_path, "cluster.memory_budget=100%ddp", "strategy.split_factors=[]")
+def test_osdp_plan_resolves_a_share_of_the_ddp_peak_after_profiling(tmp_path: Path, cli_here: CliHere) -> None:
+    proc, run_dir = plan_gpt_tiny(cli_here, tmp_path, "cluster.memory_budget=100%ddp", "strategy.split_factors=[]")
     assert "budget 100%ddp per rank" in proc.stdout and "memory budget 100%ddp = " in proc.stdout
     rows = {r["strategy"]: r for r in json.loads((run_dir / "comparison.json").read_text())["rows"]}
     assert rows["ddp"]["memory_budget_bytes"] == rows["ddp"]["predicted_peak_bytes"]  # 100% of ddp's peak
