@@ -23,9 +23,10 @@ The integer program, for one :class:`~osdp_lightning.cost.ChoiceTable` (all byte
   objective, which is exact and gives the solver a tighter relaxation than separate ``e`` variables.
 
 Solved by HiGHS, or CBC without ``highspy`` (:mod:`osdp_lightning.solvers`), to the proven optimum
-unless a gap or a time limit is given. Before any solver runs: the plan of each unit's fastest
-choice is the answer when it fits (it reaches the lower bound), and the knapsack plan
-(:func:`knapsack_dp`, which always fits) is handed to the solver as its first incumbent.
+unless a gap or a time limit is given, or HiGHS has run :data:`SETTLE_AFTER_S` and has a plan
+proven within :data:`SETTLE_GAP` (status ``Feasible`` and that gap). Before any solver runs: the
+plan of each unit's fastest choice is the answer when it fits (it reaches the lower bound), and the
+knapsack plan (:func:`knapsack_dp`, which always fits) is handed to the solver as its first incumbent.
 
 Exact to the byte although solvers work in floating point: bytes enter it divided by a power of
 ten (which, unlike a power of two, survives PuLP's 13-digit MPS file exactly) to keep a model's
@@ -37,9 +38,11 @@ cut off (with every plan at least as heavy in every unit) before the solver runs
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -74,6 +77,15 @@ _FORWARD, _BEFORE, _AFTER, _REDUCE = "f", "b", "a", "r"
 """Tags of the carry variables (``Cf_u``: forward buffers from before; ``Cb_u`` / ``Ca_u``: backward
 gathers from before / after; ``Cr_u``: the reduce-scatter input from after): the solver's seed sets
 them by name."""
+SETTLE_GAP = 1e-4
+"""Relative gap a solve without ``gap`` settles for once proving the optimum has taken
+:data:`SETTLE_AFTER_S` (HiGHS only). Units that all differ in size make the memory row a strongly
+correlated knapsack (the seconds a choice saves grow with the bytes it costs): HiGHS is within
+2e-5 of the optimum at its root node, then may take a minute proving the last few millionths, far
+below what the cost model predicts to."""
+SETTLE_AFTER_S = 0.5
+"""Seconds a HiGHS run tries to prove the optimum before it settles for :data:`SETTLE_GAP`: uniform
+stacks and real models' block tables prove theirs well within it."""
 _WARM_DP_CELLS = 4096
 """Memory cells per unit of the knapsack run that seeds the solver (coarse: it only has to fit)."""
 
@@ -305,6 +317,21 @@ def _differences(pairs: list[tuple[ChoiceCost, pulp.LpVariable]], size: Callable
     return least, [(x, sign * (size(c) - least) / scale) for c, x in pairs if size(c) > least]
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off meanwhile: a model's tens of thousands of new objects (PuLP
+    variables, rows, terms) make it rescan every live object again and again (half the build on
+    1,000 units), and building one leaves no cycles to collect."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@_gc_paused()
 def _build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> _Model:
     """Variables, one-choice rows, the rows of every unit's forward and backward moments and the
     memory row; the objective is set later.
@@ -598,7 +625,8 @@ def _settings(table: ChoiceTable, time_limit_s: float | None, gap: float | None,
         raise ValueError(f"gap must be a relative gap in [0, 1), got {gap!r}")
     # Prune only branches that cannot beat the incumbent by a billionth of the slowest plan.
     tie = 1e-9 * max(_slowest_s(table), 1e-12) / _objective_unit_s(table)
-    return SolverSettings(pick_solver(solver), time_limit_s, gap, tie, msg)
+    settle = SETTLE_GAP if gap is None else 0.0
+    return SolverSettings(pick_solver(solver), time_limit_s, gap, tie, msg, settle, SETTLE_AFTER_S)
 
 
 def solve_choice_table(table: ChoiceTable, budget_bytes: int, time_limit_s: float | None = None,
@@ -608,8 +636,10 @@ def solve_choice_table(table: ChoiceTable, budget_bytes: int, time_limit_s: floa
     Infeasible budgets give ``status == "Infeasible"`` and no choices; they never raise.
     ``time_limit_s`` bounds the whole call (all solver runs together); ``gap`` (relative) stops
     the solver once its plan is proven within that share of the optimum (status ``Feasible`` and
-    the gap, unless it is proven optimal anyway). ``solver``: ``"highs"`` or ``"cbc"`` (default:
-    :func:`~osdp_lightning.solvers.pick_solver`).
+    the gap, unless it is proven optimal anyway). Without ``gap``, HiGHS proves the optimum or,
+    once a run has taken :data:`SETTLE_AFTER_S`, stops within :data:`SETTLE_GAP` (said as with
+    ``gap``); ``gap=0`` proves it however long that takes. ``solver``: ``"highs"`` or ``"cbc"``
+    (default: :func:`~osdp_lightning.solvers.pick_solver`).
     """
     start = time.perf_counter()
     _check_table(table)
@@ -770,7 +800,7 @@ def next_best_solutions(table: ChoiceTable, budget_bytes: int, count: int, time_
     in its ``status``.
     """
     start = time.perf_counter()
-    settings = _settings(table, time_limit_s, None, False, solver)
+    settings = _settings(table, time_limit_s, 0.0, False, solver)  # NOTE: exact: the list's order must hold
     model = _build_model(table, prune=False)
     model.problem.setObjective(_step_objective(table, model))
     found: list[Solution] = []

@@ -3,17 +3,20 @@
 PuLP is the modelling layer (``pulp.LpProblem``); this module hands a problem to a solver and
 reads back our status, the best bound when the solve stopped short, and the variables' values.
 
-- HiGHS (package ``highspy``, a dependency) proves the plans of 1,000-2,000 units optimal in about
-  a second where CBC needs minutes (``docs/benchmarks/solver.md``). The problem goes to it in
-  bulk (PuLP's own HiGHS interface adds one column and one row at a time from Python).
+- HiGHS (package ``highspy``, a dependency) solves the plans of 1,000-2,000 units in one to two
+  seconds where CBC needs minutes (``benchmarks/solver_bench.py``): proven optimal, or within 1e-4
+  when its units all differ (settling, below). The problem goes to it in bulk (PuLP's own HiGHS
+  interface adds one column and one row at a time from Python).
 - CBC ships inside PuLP: used when ``highspy`` is not installed (one warning says so), or when
   asked for with ``solver="cbc"`` or ``OSDP_SOLVER=cbc``.
 
-Both are asked for the proven optimum (relative gap 0) unless a ``gap`` or a time limit is given.
+Both are asked for the proven optimum (relative gap 0) unless a ``gap`` or a time limit is given;
+HiGHS may also be told to settle for a small gap once proving the rest takes long (``settle_gap``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tempfile
@@ -63,6 +66,11 @@ class SolverSettings:
     """Objective difference that counts as no improvement (absolute, in the objective's units; far
     below any real difference)."""
     msg: bool = False
+    settle_gap: float = 0.0
+    """Relative gap HiGHS settles for once it has run ``settle_after_s`` without proving the optimum
+    (0: never; ignored when ``gap`` is given): it then stops at its first plan proven within it, as
+    with ``gap``. CBC, which has no callback to stop it by, keeps proving."""
+    settle_after_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -184,6 +192,26 @@ def _load_highs(highs, problem: pulp.LpProblem,  # noqa: ANN001
 
 _ENUMERATION_RULE = 1 << 16
 """HiGHS's ``presolve_rule_off`` bit of its Enumeration rule."""
+_SLOW_RULES = (1 << 17) | (1 << 19)
+"""HiGHS's bits (1.14 on; unknown bits are ignored) of its Dual fixing and Column stuffing presolve
+rules. Every binary is in the memory row, and presolving the model again when the search restarts
+at the root took seconds with them (2,000 uniform units: 4.5 s of a 5 s proof, to leave one row);
+without them no benchmark table proved slower, and the settling callback is not starved."""
+
+
+def _configure(highs, settings: SolverSettings) -> None:  # noqa: ANN001
+    rules = _SLOW_RULES
+    if (highs.versionMajor(), highs.versionMinor()) >= (1, 14):
+        # NOTE: HiGHS 1.14-1.16's "Enumeration" presolve rule (new in 1.14) reduces some of these
+        # models wrongly: bert_large at +2% of its smallest budget, with the order rows of
+        # symmetry.py, came out "Infeasible" (its solutions violate a row after postsolve); with
+        # the rule off, and in HiGHS 1.13, it solves to the optimum.
+        rules |= _ENUMERATION_RULE
+    highs.setOptionValue("presolve_rule_off", rules)
+    highs.setOptionValue("mip_rel_gap", float(settings.gap or 0.0))
+    highs.setOptionValue("mip_abs_gap", float(settings.tie))
+    if settings.time_limit_s is not None:
+        highs.setOptionValue("time_limit", float(settings.time_limit_s))
 
 
 def _run_highs(problem: pulp.LpProblem, settings: SolverSettings, warm_start: dict[str, float] | None,
@@ -191,17 +219,10 @@ def _run_highs(problem: pulp.LpProblem, settings: SolverSettings, warm_start: di
     import highspy
 
     highs = _new_highs(settings.msg)
-    if (highs.versionMajor(), highs.versionMinor()) >= (1, 14):
-        # NOTE: HiGHS 1.14-1.16's "Enumeration" presolve rule (new in 1.14) reduces some of these
-        # models wrongly: bert_large at +2% of its smallest budget, with the order rows of
-        # symmetry.py, came out "Infeasible" (its solutions violate a row after postsolve); with
-        # the rule off, and in HiGHS 1.13, it solves to the optimum.
-        highs.setOptionValue("presolve_rule_off", _ENUMERATION_RULE)
-    highs.setOptionValue("mip_rel_gap", float(settings.gap or 0.0))
-    highs.setOptionValue("mip_abs_gap", float(settings.tie))
-    if settings.time_limit_s is not None:
-        highs.setOptionValue("time_limit", float(settings.time_limit_s))
+    _configure(highs, settings)
     variables = _load_highs(highs, problem, variables)
+    settling = bool(settings.settle_gap) and not settings.gap and _settle(highs, settings.settle_gap,
+                                                                          settings.settle_after_s)
     if warm_start:
         start = highspy.HighsSolution()
         start.col_value = [warm_start.get(v.name, 0.0) for v in variables]
@@ -216,6 +237,8 @@ def _run_highs(problem: pulp.LpProblem, settings: SolverSettings, warm_start: di
     kinds = highspy.HighsModelStatus
     if status == kinds.kOptimal:  # within the gap asked for: proven only when that gap is 0
         return RunResult(FEASIBLE, info.mip_dual_bound) if settings.gap else RunResult(OPTIMAL)
+    if settling and status == kinds.kInterrupt and has_solution:  # stopped by _settle: within its gap
+        return RunResult(FEASIBLE, info.mip_dual_bound)
     if status in (kinds.kInfeasible, kinds.kUnboundedOrInfeasible):  # our problems are bounded
         return RunResult(INFEASIBLE)
     if status in (kinds.kLoadError, kinds.kModelError, kinds.kPresolveError, kinds.kSolveError,
@@ -223,6 +246,28 @@ def _run_highs(problem: pulp.LpProblem, settings: SolverSettings, warm_start: di
         raise SolverUnavailableError(f"the HiGHS solver failed ({highs.modelStatusToString(status)}); {_HINT}")
     # Time limit or another stop: keep what was found and the bound it was proven against.
     return RunResult(TIME_LIMIT, info.mip_dual_bound) if has_solution else RunResult(NOT_SOLVED)
+
+
+def _settle(highs, gap: float, after_s: float) -> bool:  # noqa: ANN001
+    """Interrupt ``highs`` at its first plan proven within ``gap`` once it has run ``after_s`` seconds;
+    ``False`` (it proves the optimum) when this highspy has no callbacks."""
+    import highspy
+
+    kinds = getattr(getattr(highspy, "cb", None), "HighsCallbackType", None)
+    if kinds is None:
+        return False
+
+    def check(_kind, _message, out, into, _data) -> None:  # noqa: ANN001
+        objective, bound = out.objective_function_value, out.mip_dual_bound
+        if into is None or out.running_time < after_s or not (math.isfinite(objective) and math.isfinite(bound)):
+            return
+        if objective - bound <= gap * max(abs(objective), 1e-12):
+            into.user_interrupt = True
+
+    # NOTE: the low-level callback of highspy 1.7 on; it replaces the high-level Highs' own, unused here.
+    highs.setCallback(check, None)
+    highs.startCallback(kinds.kCallbackMipInterrupt)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import pulp
 import pytest
 
 from osdp_lightning import solve
-from osdp_lightning.cost import ChoiceCost, ChoiceTable, UnitCosts
+from osdp_lightning.cost import ChoiceCost, ChoiceTable, UnitCosts, build_choice_table
 from osdp_lightning.solve import (
     FEASIBLE,
     INFEASIBLE,
@@ -331,9 +331,9 @@ def hard_table(units: int = 300, choices: int = 4, seed: int = 0) -> ChoiceTable
 
 @pytest.mark.parametrize("solver", ["highs", "cbc"])
 def test_time_limit_reports_status_and_gap(solver: str) -> None:
-    table = hard_table()
+    table = hard_table(units=600)
     budget = sum(sum(c.state_bytes for c in u.choices) // len(u.choices) for u in table.units)
-    # Proving this optimum takes ~15 s (HiGHS) to ~20 s (CBC); the knapsack seed always fits.
+    # Proving this optimum takes ~18 s (HiGHS, gap=0); the knapsack seed always fits.
     solution = solve_choice_table(table, budget, time_limit_s=0.3, solver=solver)
     assert solution.status == TIME_LIMIT and solution.feasible and solution.peak_bytes <= budget
     assert solution.solve_s < 10
@@ -347,12 +347,18 @@ def test_time_limit_reports_status_and_gap(solver: str) -> None:
 def test_a_gap_stops_early_and_says_so() -> None:
     table = hard_table(units=60, seed=1)
     budget = sum(sum(c.state_bytes for c in u.choices) // len(u.choices) for u in table.units)
-    proven = solve_choice_table(table, budget)
+    proven = solve_choice_table(table, budget, gap=0.0)
     loose = solve_choice_table(table, budget, gap=0.05)
     assert proven.status == OPTIMAL and proven.gap == 0.0
     assert loose.feasible and loose.peak_bytes <= budget and loose.step_s <= proven.step_s * 1.05
     if loose.status != OPTIMAL:  # stopped within the gap without proving the optimum
         assert loose.status == FEASIBLE and loose.gap is not None and 0.0 < loose.gap <= 0.05 + 1e-9
+    # Without a gap, HiGHS settles for solve.SETTLE_GAP once proving takes long (here ~3 s): it says so.
+    settled = solve_choice_table(table, budget)
+    assert settled.status == FEASIBLE and settled.peak_bytes <= budget
+    assert settled.gap is not None and 0.0 < settled.gap <= solve.SETTLE_GAP
+    assert proven.step_s <= settled.step_s <= proven.step_s * (1 + solve.SETTLE_GAP)
+    assert settled.step_s * (1 - settled.gap) <= proven.step_s * (1 + REL_TOL)  # the gap is a true bound
     with pytest.raises(ValueError, match="gap"):
         solve_choice_table(table, budget, gap=1.5)
 
@@ -383,6 +389,63 @@ def test_thousand_units_solve_to_a_proven_optimum() -> None:
     assert len(set(solution.choices)) > 1  # the budget really forces a mix
     dp = knapsack_dp(table, budget)
     assert dp.feasible and solution.step_s <= dp.step_s * (1 + 1e-12)
+
+
+def unequal_table(units: int, seed: int, noise: float) -> ChoiceTable:
+    """The solver benchmark's Linear units with every shape scaled by up to ``noise``: no two alike
+    in bytes or seconds, 12 choices each (base and split), the root last."""
+    from benchmarks.solver_bench import CHOICE_SETS, CLUSTER, transformer_profile
+
+    return build_choice_table(transformer_profile(units, seed, noise), CLUSTER, choices=CHOICE_SETS[12])
+
+
+def assert_within_settle_gap(settled: solve.Solution, optimum: float, budget: int) -> None:
+    """A plan that fits, proven optimal or said to be within its gap (at most ``SETTLE_GAP``), truly."""
+    assert settled.feasible and settled.peak_bytes <= budget
+    assert optimum * (1 - REL_TOL) <= settled.step_s <= optimum * (1 + solve.SETTLE_GAP)
+    if settled.status == OPTIMAL:
+        assert settled.gap == 0.0 and settled.step_s == pytest.approx(optimum, rel=REL_TOL)
+    else:
+        assert settled.status == FEASIBLE and settled.gap is not None and 0.0 < settled.gap <= solve.SETTLE_GAP
+        assert settled.step_s * (1 - settled.gap) <= optimum * (1 + REL_TOL)  # the bound it reports holds
+
+
+@pytest.mark.parametrize("seed, noise", [(1, 0.05), (2, 0.1), (3, 0.2)])
+def test_unequal_units_solve_to_the_brute_force_optimum(seed: int, noise: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three unequal Linear units and the root, every plan priced by the oracle: the default solve is
+    the optimum, and one that settles as soon as it may stays within its gap of it."""
+    table = unequal_table(4, seed, noise)
+    assert [len(unit.choices) for unit in table.units] == [12, 12, 12, 3]
+    results = [(*evaluate(table, combo), combo) for combo in itertools.product(*(u.choices for u in table.units))]
+    lowest, highest = min(r[0] for r in results), max(r[0] for r in results)
+    for fraction in (0.0, 0.05, 0.3, 0.7):
+        budget = lowest + int(fraction * (highest - lowest))
+        expected = best_step(results, budget)
+        solution = solve_choice_table(table, budget)
+        assert solution.status == OPTIMAL and solution.step_s == pytest.approx(expected, rel=REL_TOL)
+        assert solution.peak_bytes == evaluate(table, chosen(table, solution.choices))[0] <= budget
+        monkeypatch.setattr(solve, "SETTLE_AFTER_S", 0.0)
+        assert_within_settle_gap(solve_choice_table(table, budget), expected, budget)
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("units", [40, 80])
+def test_settling_stays_within_its_gap_of_the_proven_optimum(units: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unequal Linear units (a strongly correlated knapsack, slow to prove): HiGHS told to settle at
+    once returns a plan within ``SETTLE_GAP`` of the one ``gap=0`` proves optimal, and says so."""
+    monkeypatch.setattr(solve, "SETTLE_AFTER_S", 0.0)
+    settled_early = 0
+    for seed in range(3):
+        table = unequal_table(units, seed, 0.1)
+        lowest, widest = smallest_feasible_budget(table), peak_bytes(table, ["replicate"] * units)
+        for fraction in (0.05, 0.3):
+            budget = lowest + int(fraction * (widest - lowest))
+            proven = solve_choice_table(table, budget, gap=0.0)
+            assert proven.status == OPTIMAL and proven.gap == 0.0
+            settled = solve_choice_table(table, budget)
+            assert_within_settle_gap(settled, proven.step_s, budget)
+            settled_early += settled.status == FEASIBLE
+    assert settled_early >= 1  # else the settling path was never taken
 
 
 @pytest.mark.parametrize("solver, banner", [("cbc", "Cbc"), ("highs", "HiGHS")])
