@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import proven_within_settle_gap
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -136,7 +137,7 @@ def test_dry_run_plan_applies_to_the_real_model_and_says_it_is_an_estimate() -> 
     tight = ClusterSpec(**{**spec.__dict__, "memory_budget_bytes": zero3.predicted_peak_bytes + 2**16})
     plan = dry_run_plan(TiedLM, batch, tight, profile=profile, micro_batch_sizes=(4, 8))
     plan.check_matches(module, 16)
-    assert DRY_RUN_SOURCE in plan.source and plan.solver_status == "Optimal"
+    assert DRY_RUN_SOURCE in plan.source and proven_within_settle_gap(plan)
     assert plan.predicted_peak_bytes <= tight.memory_budget_bytes < roomy.predicted_peak_bytes
     assert {u.choice for u in plan.units} - {"replicate"}  # something had to be sharded
     text = format_dry_run(plan, tight, cluster_name="toy")
@@ -162,4 +163,4 @@ def test_a_1_5b_model_plans_without_allocating_it() -> None:
     # NOTE: the 60 s target is a figure (printed), not an assertion: shared machines are noisy.
     print(f"1.56B-parameter dry-run plan: {elapsed:.1f} s, resident memory +{rss_growth / 2**20:.0f} MiB")
     assert rss_growth < 1.5 * 2**30, f"resident memory grew by {rss_growth / 2**30:.2f} GiB"
-    assert plan.solver_status == "Optimal" and plan.predicted_peak_bytes <= spec.memory_budget_bytes
+    assert proven_within_settle_gap(plan) and plan.predicted_peak_bytes <= spec.memory_budget_bytes

@@ -383,7 +383,7 @@ def test_thousand_units_solve_to_a_proven_optimum() -> None:
     lowest = smallest_feasible_budget(table)
     widest = peak_bytes(table, ["replicate"] * 1000)
     budget = lowest + (widest - lowest) // 5
-    solution = solve_choice_table(table, budget)
+    solution = solve_choice_table(table, budget, gap=0.0)  # proven, however loaded the machine
     assert solution.status == OPTIMAL and solution.peak_bytes <= budget
     # NOTE: the 5 s target is measured by benchmarks/solver_bench.py, not asserted here.
     assert len(set(solution.choices)) > 1  # the budget really forces a mix
