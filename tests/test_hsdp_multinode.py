@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from toy_models import MLP  # noqa: E402
 
+from benchmarks.launch import free_port  # noqa: E402
 from osdp_lightning.cluster import ClusterSpec  # noqa: E402
 from osdp_lightning.dryrun import dry_run_plan  # noqa: E402
 
@@ -26,15 +26,9 @@ SCRIPT = Path(__file__).parent / "scripts" / "hsdp_train.py"
 MIXED = ("hsdp(g=2)", "zero3(reshard=2)", "hsdp(g=2)", "replicate", "hsdp(g=2)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_two_nodes(tmp_path: Path, runs: list[dict], timeout_s: float = 300) -> dict[str, list[dict]]:
     """Run hsdp_train.py's ``runs`` as 2 nodes x 2 ranks (one launch); every rank's result by run."""
-    out, port = tmp_path / "result", _free_port()
+    out, port = tmp_path / "result", free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", f"--node-rank={node}",

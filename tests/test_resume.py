@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from ckpt_launch import run_logged, run_ranks, script  # noqa: E402
@@ -92,7 +93,7 @@ def test_resume_is_bitwise_exact(runs: Path) -> None:
 
 def test_sharded_checkpoint_is_canonical_and_written_by_every_rank(runs: Path) -> None:
     path = runs / "ckpt_b" / "step=10.ckpt"
-    saved = ckpt.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
     model = {k.removeprefix("state_dict."): tuple(v.size) for k, v in saved.items() if k.startswith("state_dict.")}
     assert model == {k: tuple(v.shape) for k, v in MLP(width=WIDTH).state_dict().items()}
     optimizer_keys = {k.split(".state.")[1].rsplit(".", 1)[0] for k in saved if k.startswith("optimizer_0.state.")}

@@ -9,7 +9,7 @@ what a fresh interpreter would be: :class:`FreshState` records it once, after th
 
 from __future__ import annotations
 
-import gc
+import contextlib
 import importlib
 import json
 import os
@@ -19,6 +19,7 @@ import runpy
 import sys
 import traceback
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,40 +120,29 @@ def run_scenario(command: dict[str, Any], fresh: FreshState) -> int:
             traceback.print_exc()
             code = 1
         finally:
-            _release_everything()
+            shutdown.release_now()  # what a fresh process's exit handler does: free the groups and their holders
     fresh.restore(command["cwd"])
     return code
 
 
-def _release_everything() -> None:
-    """What the exit handlers of a fresh process would do: free the process groups and their holders."""
-    shutdown.release_now()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    gc.collect()
-
-
-class _output_to:  # noqa: N801  (used as a context manager)
+@contextlib.contextmanager
+def _output_to(path: str) -> Iterator[None]:
     """Send this process's stdout and stderr (file descriptors 1 and 2 too) to ``path``."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __enter__(self) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = (os.dup(1), os.dup(2))
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(target, 1)
+    os.dup2(target, 2)
+    os.close(target)
+    try:
+        yield
+    finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        self.saved = (os.dup(1), os.dup(2))
-        target = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(target, 1)
-        os.dup2(target, 2)
-        os.close(target)
-
-    def __exit__(self, *exc: object) -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for fd, saved in zip((1, 2), self.saved, strict=True):
-            os.dup2(saved, fd)
-            os.close(saved)
+        for fd, kept in zip((1, 2), saved, strict=True):
+            os.dup2(kept, fd)
+            os.close(kept)
 
 
 def serve() -> None:

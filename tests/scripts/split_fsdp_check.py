@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -29,6 +28,8 @@ from torch import nn
 # NOTE: osdp_lightning is imported inside the functions that need it: importing the package
 # imports Lightning (seconds), and only the two spawned ranks need it, not the launching parent.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.launch import free_port  # noqa: E402
 
 WORLD = 2
 REL_TOL = 1e-4
@@ -210,12 +211,6 @@ def run(rank: int, port: int, out: str | None) -> None:
                 Path(out).write_text(json.dumps(result, indent=1))
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 if __name__ == "__main__":
