@@ -86,6 +86,8 @@ def build_meta_module(model: ModelSource) -> nn.Module:
         id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
         for p in model.parameters()}
     memo.update({id(b): torch.empty_like(b, device="meta") for b in model.buffers()})
+    # NOTE: a LightningModule attached to a Trainer keeps referring to it, not to a copy of it.
+    memo.update({id(owner): owner for owner in (getattr(model, "_trainer", None),) if owner is not None})
     return copy.deepcopy(model, memo)
 
 

@@ -20,7 +20,7 @@ from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.cost import ChoiceTable, build_choice_table
 from osdp_lightning.profile import ModelProfile, with_parts
 from osdp_lightning.solve import (
-    _choice_step_s,
+    choice_step_s,
     peak_bytes,
     peak_lower_bound,
     smallest_feasible_budget,
@@ -369,7 +369,7 @@ def _assemble(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpec, a
     for unit_costs, unit_profile, choice in zip(table.units, profile.units, assignment, strict=True):
         cost = unit_costs.cost_of(choice)
         # NOTE: the communication the step pays is what the solver charges, less the other terms.
-        paid_comm_s = _choice_step_s(unit_costs, cost) - cost.compute_s - cost.optimizer_s - cost.overhead_s
+        paid_comm_s = choice_step_s(unit_costs, cost) - cost.compute_s - cost.optimizer_s - cost.overhead_s
         units.append(UnitPlan(
             name=unit_profile.name, module_names=unit_profile.module_names,
             param_count=unit_profile.param_count + unit_profile.frozen_param_count, choice=choice,

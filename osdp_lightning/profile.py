@@ -168,14 +168,14 @@ def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
     owned = owned_params(root, nested)
     own = {n: _unit_profile(n, by_name[n].module_names, owned[n], root, samples, rises) for n in first.order
            if n in by_name}
-    units = [_with_measured_parts(own[s.name], [own[p.name] for p in s.parts if p.name in own], first.order)
+    units = [with_measured_parts(own[s.name], [own[p.name] for p in s.parts if p.name in own], first.order)
              for s in sorted((s for s in specs if s.name in own), key=lambda s: first.order.index(s.name))]
     units.append(_unit_profile(ROOT, (ROOT,), owned[ROOT], root, samples, {}))
     activation_bytes = max(sum(first.saved_bytes.values()), peak_bytes)
     return units, activation_bytes, statistics.median(s.step_s for s in samples)
 
 
-def _with_measured_parts(block: UnitProfile, parts: list[UnitProfile], order: list[str]) -> UnitProfile:
+def with_measured_parts(block: UnitProfile, parts: list[UnitProfile], order: list[str]) -> UnitProfile:
     """A block's own figures (what its parts do not hold) plus its parts': the whole block."""
     parts = sorted((dataclasses.replace(p, part_of=block.name) for p in parts), key=lambda p: order.index(p.name))
     return dataclasses.replace(
@@ -462,7 +462,7 @@ def profile_lightning_module(module: nn.Module, batch: object | None = None, *,
         param_bytes_per_element=elem, grad_bytes_per_element=elem, compute_bytes_per_element=elem,
         reduce_bytes_per_element=elem,
         optimizer_bytes_per_param=optimizer_state_bytes_per_param(optimizer, dtype) if optimizer else 0,
-        activation_bytes=activation_bytes, fixed_bytes=_tensor_bytes(inputs), step_s=step_s,
+        activation_bytes=activation_bytes, fixed_bytes=tensor_bytes(inputs), step_s=step_s,
         profile_s=time.perf_counter() - start)
 
 
@@ -561,7 +561,7 @@ def _tensors(obj: object) -> list[torch.Tensor]:
     return []
 
 
-def _tensor_bytes(obj: object) -> int:
+def tensor_bytes(obj: object) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(obj))
 
 

@@ -47,23 +47,30 @@ from osdp_lightning.choices import ALIASES, ChoiceOptions, choice_space, known_n
 from osdp_lightning.choices.checkpointing import refusal_message
 from osdp_lightning.clip import with_sharded_clipping
 from osdp_lightning.cluster import ClusterSpec, NodeTimings, live_cluster_spec, measure_node_collectives
+from osdp_lightning.fakestep import build_meta_module
 from osdp_lightning.faults import all_ranks_succeed, init_elastic_process_group
-from osdp_lightning.plan import Plan, baseline_peak_bytes, make_plan
+from osdp_lightning.materialize import has_meta_tensors, materialize
+from osdp_lightning.pipeline import (
+    ProfileOptions,
+    SolveOptions,
+    budget_floor_bytes,
+    profile_model,
+    resolved_cluster,
+    solve_plan,
+    whole_profile_fits,
+)
+from osdp_lightning.plan import Plan
 from osdp_lightning.profile import (
     DEFAULT_MIN_UNIT_PARAMS,
     ModelProfile,
     configured_optimizer,
     is_profiling,
-    measure_split_overheads,
     preserved_rng,
-    profile_lightning_module,
 )
 from osdp_lightning.replicate import build_replicate_reducer
 from osdp_lightning.report import format_comparison, log_plan
 from osdp_lightning.shutdown import release_at_exit
 from osdp_lightning.step_terms import StepTerms, default_loop_step_s
-
-AUTO_BATCH_FACTORS = (0.25, 0.5, 1, 2, 4, 8)
 
 
 class _RootWrapper(nn.Module):
@@ -148,6 +155,7 @@ class OSDPStrategy(ModelParallelStrategy):
         self._step_terms: StepTerms | None = None
         self._fragmentation: float | None = None
         self._plan: Plan | None = None
+        self._profile_whole = True
         self._profile: ModelProfile | None = None
         self._timings: CollectiveTimings | None = None
         self._node_timings: NodeTimings | None = None
@@ -244,7 +252,11 @@ class OSDPStrategy(ModelParallelStrategy):
             self.model = self._root  # a later stage (validate/test after fit): already sharded
         else:
             self.model = self.precision_plugin.convert_module(self.model)
-            self.model_to_device()
+            # NOTE: a model built on the meta device, or too large to profile whole, is planned from
+            # shapes and never placed whole on the device (pipeline.py): only its shards are.
+            self._profile_whole = self.broadcast(self._can_profile_whole(module))
+            if self._profile_whole:
+                self.model_to_device()
             # NOTE: planning and applying draw random numbers on some or all ranks (calibration seeds
             # the generator and fills tensors, profiling runs the user's step with its dropout,
             # SplitLinear initialises its slices); the first training step must draw what it draws
@@ -269,8 +281,16 @@ class OSDPStrategy(ModelParallelStrategy):
         apply_start = time.perf_counter()
         self._meshes = self._meshes or build_meshes(self.root_device.type, self.world_size)
         self._root = _RootWrapper(module)
+        meta = has_meta_tensors(module)
+        template = build_meta_module(module) if meta else None  # the unsharded layout, for initialising
+        seed = self.broadcast(int(torch.randint(2**62, ()).item()))  # the same initial values on every rank
         with all_ranks_succeed("applying the osdp plan"):  # no rank waits for a failed one
             apply_plan(module, self._root, self._plan, self._meshes, build_reducer=False)
+            if template is not None:
+                materialize(self._root, module, template, [u.module_names for u in self._plan.units],
+                            self.root_device, seed)
+            elif not self._profile_whole:
+                self._root.to(self.root_device)  # what no unit's fully_shard moved (replicated units)
         build_replicate_reducer(self._root)  # a collective: only once every rank applied its part
         self.model = self._root
         self.setup_s = {
@@ -323,40 +343,46 @@ class OSDPStrategy(ModelParallelStrategy):
             rank_zero_info(f"osdp: micro-batch size set to {plan.micro_batch_size} (micro_batch_size='auto')")
         return plan
 
+    def _can_profile_whole(self, module: pl.LightningModule) -> bool:
+        """Whether the whole-model profile fits the budget (decided before anything is placed)."""
+        if has_meta_tensors(module):
+            return False
+        device_bytes = device_memory_bytes(self.root_device, self.num_processes)
+        budget = (budget_floor_bytes(module, self.memory_budget, device_bytes, self.world_size)
+                  if self.memory_budget is not None else default_memory_budget(self.root_device, self.num_processes))
+        return whole_profile_fits(module, budget)
+
     def _profile_and_solve(self, trainer: pl.Trainer, module: pl.LightningModule) -> tuple[ModelProfile, Plan]:
         batch = _first_training_batch(trainer, module, self)
-        optimizer = configured_optimizer(module)
         if self.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.root_device)
-        profile = profile_lightning_module(
-            module, batch, unit_module_types=self.unit_module_types,
-            unit_name_patterns=self.unit_name_patterns, min_unit_params=self.min_unit_params,
-            optimizer=optimizer, step_context=self.precision_plugin.train_step_context,
-            repeats=self.profile_repeats, check_checkpointing=self.choice_options.activation_checkpointing != "never")
+        options = ProfileOptions(
+            unit_module_types=self.unit_module_types, unit_name_patterns=self.unit_name_patterns,
+            min_unit_params=self.min_unit_params, repeats=self.profile_repeats,
+            split_factors=self.split_factors if self.uniform_choice is None and self.world_size > 1 else (),
+            check_checkpointing=self.choice_options.activation_checkpointing != "never",
+            precision=str(trainer.precision))
+        profile = profile_model(module, batch, self.root_device, options, whole=self._profile_whole,
+                                optimizer=configured_optimizer(module),
+                                step_context=self.precision_plugin.train_step_context)
+        if not self._profile_whole:
+            rank_zero_info(f"osdp: profiled from shapes (fake step, one real copy of each kind of unit) in "
+                           f"{profile.profile_s:.2f} s; the model is placed on the device only as its shards")
         if (refused := refusal_message(profile.units)) is not None:  # before training: which units, and why
             always = self.choice_options.activation_checkpointing == "always"
             (rank_zero_warn if always else rank_zero_info)(refused)
-        if self.split_factors and self.uniform_choice is None and self.world_size > 1:
-            profile = measure_split_overheads(module, batch, profile, self.split_factors,
-                                              self.precision_plugin.train_step_context)
         if self.root_device.type == "cuda":  # the caching allocator's slack at the profiled peak
             allocated = torch.cuda.max_memory_allocated(self.root_device)
             self._fragmentation = torch.cuda.max_memory_reserved(self.root_device) / allocated - 1 if allocated else None
-        cluster = self._cluster_spec()
-        if self.memory_budget is not None and self.memory_budget.needs_profile:  # e.g. "95%ddp"
-            baseline_peak = baseline_peak_bytes(profile, cluster, self.memory_budget.baseline)
-            cluster = self._cluster_spec(self.memory_budget.of_peak(baseline_peak))
+        cluster, baseline_peak = resolved_cluster(profile, self._cluster_spec, self.memory_budget)
+        if baseline_peak is not None and self.memory_budget is not None:  # e.g. "95%ddp"
             rank_zero_info(f"osdp: memory budget {self.memory_budget.text} = "
                            f"{format_bytes(cluster.memory_budget_bytes)} per rank (the uniform "
                            f"{self.memory_budget.baseline} plan's predicted peak: {format_bytes(baseline_peak)})")
-        candidates = None
-        if self.micro_batch_size == "auto":
-            base = profile.micro_batch_size
-            candidates = tuple(sorted({max(1, int(base * f)) for f in AUTO_BATCH_FACTORS}))
-        plan = make_plan(profile, cluster, uniform_choice=self.uniform_choice, micro_batch_sizes=candidates,
-                         choices=choice_space(cluster, self.choice_options),
-                         time_limit_s=self.solver_time_limit_s,
-                         accumulation_steps=check_accumulation(trainer.accumulate_grad_batches))
+        plan = solve_plan(profile, cluster, SolveOptions(
+            choice_options=self.choice_options, uniform_choice=self.uniform_choice,
+            micro_batch_size="auto" if self.micro_batch_size == "auto" else None,
+            time_limit_s=self.solver_time_limit_s, accumulation_steps=check_accumulation(trainer.accumulate_grad_batches)))
         if plan.predicted_peak_bytes > cluster.memory_budget_bytes:
             rank_zero_warn(f"osdp: the {plan.source} plan is predicted to exceed the memory budget "
                            f"({plan.predicted_peak_bytes} > {cluster.memory_budget_bytes} bytes)")

@@ -5,7 +5,7 @@ with two neighbours' choices swapped take the same step time; the solver branche
 gets which choice (bert_large at +10% of its smallest budget: 6 s, most of it proving that swaps
 gain nothing). A swap of neighbours ``u``, ``u + 1`` changes nothing outside the pair when the
 buffers the pair leaves its other neighbours are the same either way (:func:`_neutral`); inside it,
-only the two units' own moments (:func:`solve._moment_peak`) change. When putting ``c`` first is
+only the two units' own moments (:func:`~osdp_lightning.solve.evaluate.moment_peak`) change. When putting ``c`` first is
 never worse than ``d`` first, whatever the rest of the plan (:func:`_first_is_no_worse`, checked
 over every buffer the other units can leave), the order ``d, c`` is forbidden: any plan can be
 sorted into the allowed order by such swaps without a larger peak, so the optimum stays. Swaps

@@ -33,6 +33,7 @@ from osdp_lightning.solve import (  # noqa: E402
     moment_bytes,
     next_best_solutions,
     peak_lower_bound,
+    search,
     smallest_feasible_budget,
     solve_choice_table,
     step_lower_bound,
@@ -143,7 +144,10 @@ def _same(now: Any, saved: Any, where: str) -> list[str]:
 
 
 @pytest.mark.parametrize("name", sorted(_inputs()["profiles"]))
-def test_plans_of_recorded_profiles_are_unchanged(name: str) -> None:
+def test_plans_of_recorded_profiles_are_unchanged(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE: every solve proves its optimum: one that settles at a gap (after a time a loaded machine
+    # reaches sooner) may say Feasible, or stop at another plan as good within the gap.
+    monkeypatch.setattr(search, "SETTLE_GAP", 0.0)
     inputs = _inputs()
     record = inputs["profiles"][name]
     now = json.loads(json.dumps(

@@ -1,4 +1,4 @@
-"""Stage 3 (solve.py): the ILP against brute force, the knapsack baseline and its own limits."""
+"""Stage 3 (osdp_lightning.solve): the ILP against brute force, the knapsack baseline and its own limits."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ from osdp_lightning.solve import (
     OPTIMAL,
     TIME_LIMIT,
     knapsack_dp,
+    model,
     peak_bytes,
+    search,
     smallest_feasible_budget,
     solve_choice_table,
     step_seconds,
@@ -211,7 +213,7 @@ def test_knapsack_dp_never_beats_the_ilp(seed: int) -> None:
         assert dp.step_s >= solve_choice_table(table, budget).step_s * (1 - REL_TOL)
     # With room for its rounding, the DP must find a plan (or the checks above test nothing). It
     # counts every unit's live bytes at once: room for the heaviest plan so counted.
-    roomy = solve._build_model(table, prune=False).max_peak_bytes + len(table.units) * resolution
+    roomy = model.build_model(table, prune=False).max_peak_bytes + len(table.units) * resolution
     assert knapsack_dp(table, roomy, resolution_bytes=resolution).feasible
 
 
@@ -299,7 +301,7 @@ def test_plan_just_over_budget_is_cut_off() -> None:
 
 
 def test_too_many_plans_over_budget_fall_back_to_a_fitting_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(solve, "_MAX_CUTS", 1)  # as if symmetric units put many plans in the slack
+    monkeypatch.setattr(search, "_MAX_CUTS", 1)  # as if symmetric units put many plans in the slack
     table = make_table([[("fast", 10**12, 0, 0, 1.0, 0.0), ("slow", 10**12 - 10**6, 0, 0, 2.0, 0.0)]])
     solution = solve_choice_table(table, 10**12 - 1)
     # It fits, but only the relaxed bound (1.0 s, the cut-off plan) is known: not proven optimal.
@@ -424,7 +426,7 @@ def test_unequal_units_solve_to_the_brute_force_optimum(seed: int, noise: float,
         solution = solve_choice_table(table, budget)
         assert solution.status == OPTIMAL and solution.step_s == pytest.approx(expected, rel=REL_TOL)
         assert solution.peak_bytes == evaluate(table, chosen(table, solution.choices))[0] <= budget
-        monkeypatch.setattr(solve, "SETTLE_AFTER_S", 0.0)
+        monkeypatch.setattr(search, "SETTLE_AFTER_S", 0.0)
         assert_within_settle_gap(solve_choice_table(table, budget), expected, budget)
         monkeypatch.undo()
 
@@ -433,7 +435,7 @@ def test_unequal_units_solve_to_the_brute_force_optimum(seed: int, noise: float,
 def test_settling_stays_within_its_gap_of_the_proven_optimum(units: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Unequal Linear units (a strongly correlated knapsack, slow to prove): HiGHS told to settle at
     once returns a plan within ``SETTLE_GAP`` of the one ``gap=0`` proves optimal, and says so."""
-    monkeypatch.setattr(solve, "SETTLE_AFTER_S", 0.0)
+    monkeypatch.setattr(search, "SETTLE_AFTER_S", 0.0)
     settled_early = 0
     for seed in range(3):
         table = unequal_table(units, seed, 0.1)
@@ -456,7 +458,7 @@ def test_msg_prints_the_solver_log(solver: str, banner: str, capfd: pytest.Captu
 
 
 def test_the_fastest_plan_needs_no_solver(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(solve, "run", None)  # any solver run would fail
+    monkeypatch.setattr(search, "run", None)  # any solver run would fail
     table, results = brute_force(3)
     widest = max(r[0] for r in results)
     solution = solve_choice_table(table, widest)
@@ -476,14 +478,14 @@ def test_the_model_gives_every_plan_its_exact_peak(exact: bool) -> None:
         table, results = brute_force(seed)
         if len(results) > 40:
             continue
-        model = solve._build_model(table, prune=False, carry=exact)
-        model.problem.setObjective(model.memory)
+        built = model.build_model(table, prune=False, carry=exact)
+        built.problem.setObjective(built.memory)
         for peak, _, combo in results:
-            for pairs, cost in zip(model.variables, combo, strict=True):
+            for pairs, cost in zip(built.variables, combo, strict=True):
                 for c, x in pairs:
                     x.lowBound = x.upBound = float(c is cost)
-            status, _, _ = solve._run_once(model, solve._settings(table, None, None, False, "highs"), 0.0)
-            least = round(pulp.value(model.memory) * model.scale) + model.memory_offset_bytes
+            status, _, _ = search._run_once(built, search._settings(table, None, None, False, "highs"), 0.0)
+            least = round(pulp.value(built.memory) * built.scale) + built.memory_offset_bytes
             assert status == solve.OPTIMAL and (least == peak if exact else least <= peak), (seed, combo)
             checked += 1
     assert checked >= 100
@@ -494,7 +496,7 @@ def test_peak_bounds_hold_on_every_random_table() -> None:
     for seed in SEEDS:
         table, results = brute_force(seed)
         assert solve.peak_lower_bound(table) <= min(r[0] for r in results)
-        ceiling = solve._build_model(table, prune=False).max_peak_bytes  # from each unit's heaviest choice
+        ceiling = model.build_model(table, prune=False).max_peak_bytes  # from each unit's heaviest choice
         assert max(r[0] for r in results) <= ceiling
 
 

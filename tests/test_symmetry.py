@@ -12,7 +12,6 @@ import random
 import pytest
 from test_solve import best_step, chosen, evaluate, make_table
 
-from osdp_lightning import solve
 from osdp_lightning.cost import ChoiceCost, ChoiceTable
 from osdp_lightning.solve import (
     OPTIMAL,
@@ -21,6 +20,7 @@ from osdp_lightning.solve import (
     solve_choice_table,
     step_seconds,
 )
+from osdp_lightning.solve.evaluate import moment_peak, parts_of
 from osdp_lightning.symmetry import forbidden_orders, sorted_plan
 
 SEEDS = range(40)
@@ -67,7 +67,7 @@ def blocks_table(seed: int) -> ChoiceTable:
 def relaxed_peak(table: ChoiceTable, plan: tuple[str, ...]) -> int:
     """The peak the relaxation prices (each neighbour's own buffers, nothing carried)."""
     costs = chosen(table, plan)
-    moments = solve._moment_peak(solve._parts_of(list(costs)), [u.spans_step for u in table.units], through=False)
+    moments = moment_peak(parts_of(list(costs)), [u.spans_step for u in table.units], through=False)
     return sum(c.state_bytes for c in costs) + moments + table.activation_bytes + table.fixed_bytes
 
 

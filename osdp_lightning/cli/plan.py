@@ -16,6 +16,7 @@ from typing import Any
 
 import hydra
 import lightning.pytorch as pl
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -31,15 +32,10 @@ from osdp_lightning.cli.common import (
     write_json,
 )
 from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.pipeline import ProfileOptions, batch_candidates, profile_model
 from osdp_lightning.plan import InfeasibleBudgetError, Plan, baseline_peak_bytes, make_plan
 from osdp_lightning.plot import try_plot_plan
-from osdp_lightning.profile import (
-    ModelProfile,
-    configured_optimizer,
-    measure_split_overheads,
-    profile_lightning_module,
-)
-from osdp_lightning.strategy import AUTO_BATCH_FACTORS
+from osdp_lightning.profile import ModelProfile, configured_optimizer
 
 UNIT_OPTIONS = ("unit_module_types", "unit_name_patterns", "min_unit_params")
 
@@ -56,25 +52,16 @@ def profile_recipe(cfg: DictConfig) -> tuple[ModelProfile, int]:
     # NOTE: the same unit options as the strategy (e.g. +strategy.unit_name_patterns=[...]).
     strategy = OmegaConf.to_container(cfg.strategy, resolve=True)
     unit_options = {key: strategy[key] for key in UNIT_OPTIONS if strategy.get(key) is not None}
-    profile = profile_lightning_module(module, batch, optimizer=configured_optimizer(module),
-                                       repeats=int(cfg.strategy.profile_repeats), **unit_options)
-    split_factors = tuple(cfg.strategy.split_factors)
-    if split_factors:
-        profile = measure_split_overheads(module, batch, profile, split_factors)
+    options = ProfileOptions(repeats=int(cfg.strategy.profile_repeats),
+                             split_factors=tuple(cfg.strategy.split_factors), **unit_options)
+    profile = profile_model(module, batch, torch.device("cpu"), options, whole=True,
+                            optimizer=configured_optimizer(module))
     return profile, datamodule.tokens_per_sample
-
-
-def _batch_candidates(profile: ModelProfile, micro_batch_size: Any) -> tuple[int, ...] | None:
-    if micro_batch_size is None:
-        return None
-    if micro_batch_size == "auto":
-        return tuple(sorted({max(1, int(profile.micro_batch_size * f)) for f in AUTO_BATCH_FACTORS}))
-    return (int(micro_batch_size),)
 
 
 def plan_all(profile: ModelProfile, cluster: ClusterSpec, cfg: DictConfig) -> dict[str, Plan | str]:
     """The osdp plan and the three baselines; the text of the error where osdp fits nothing."""
-    candidates = _batch_candidates(profile, cfg.strategy.micro_batch_size)
+    candidates = batch_candidates(profile, cfg.strategy.micro_batch_size)
     choices = choice_space(cluster, ChoiceOptions(
         split_factors=tuple(cfg.strategy.split_factors),
         activation_checkpointing=str(cfg.strategy.get("activation_checkpointing", "auto"))))

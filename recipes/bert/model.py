@@ -100,6 +100,11 @@ class Bert(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_layer))
         self.mlm_head = MLMHead(config, self.word_embeddings)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """BERT's init: normal(0, 0.02) weights, zero biases; runs at construction and, for a model built on the meta device, when osdp
+        materializes it (after each layer's own ``reset_parameters``, which this overrides)."""
         self.apply(self._init_weights)
 
     @staticmethod

@@ -94,11 +94,16 @@ class GPT(nn.Module):
         # NOTE: tied input embedding and output head (GPT-2); one tensor, so it must live in one
         # sharding unit.
         self.lm_head.weight = self.wte.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2's init: normal(0, 0.02) weights, zero biases; runs at construction and, for a model built on the meta device, when osdp
+        materializes it (after each layer's own ``reset_parameters``, which this overrides)."""
         self.apply(self._init_weights)
         # GPT-2 scales the init of the projections into the residual stream by 1/sqrt(2 * n_layer).
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -152,6 +152,11 @@ class T5(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.lm_head.weight = self.shared.weight  # NOTE: tied; one sharding unit must own both
         self.dropout = nn.Dropout(config.dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """T5's init: each matrix scaled by its fan-in; runs at construction and, for a model built on the meta device, when osdp
+        materializes it (after each layer's own ``reset_parameters``, which this overrides)."""
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:

@@ -1,0 +1,142 @@
+"""profile -> cost -> solve -> plan: the planning path the strategy takes, in one place.
+
+Two ways to profile a model (both give a :class:`~osdp_lightning.profile.ModelProfile`):
+
+- **whole**: the real training step of the whole model on one device, timed per unit
+  (:func:`~osdp_lightning.profile.profile_lightning_module`). It holds about
+  :data:`WHOLE_PROFILE_WEIGHT_COPIES` copies of the weights at once (the model, a saved copy of
+  its state, its gradients) plus activations;
+- **from shapes**: a fake step for every byte, one real copy of each distinct unit for time
+  (:func:`~osdp_lightning.unitbench.profile_from_shapes`); the model is never whole on a device.
+
+A model built on the meta device is always profiled from shapes; an eagerly built one is
+profiled whole when those copies fit the memory budget, from shapes otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from osdp_lightning.budget import MemoryBudget
+from osdp_lightning.choices import Choice, ChoiceOptions, choice_space
+from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.plan import Plan, baseline_peak_bytes, make_plan
+from osdp_lightning.profile import (
+    DEFAULT_MIN_UNIT_PARAMS,
+    ModelProfile,
+    configured_optimizer,
+    measure_split_overheads,
+    optimizer_state_bytes_per_param,
+    profile_lightning_module,
+)
+from osdp_lightning.unitbench import profile_from_shapes
+
+WHOLE_PROFILE_WEIGHT_COPIES = 3
+"""Copies of the weights the whole-model profile holds at once (model, saved state, gradients)."""
+AUTO_BATCH_FACTORS = (0.25, 0.5, 1, 2, 4, 8)
+"""``micro_batch_size="auto"`` tries the profiled size times each of these."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileOptions:
+    """How units are chosen and what profiling measures besides the step."""
+
+    unit_module_types: Sequence[str | type] | None = None
+    unit_name_patterns: Sequence[str] | None = None
+    min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS
+    repeats: int = 3
+    split_factors: tuple[int, ...] = ()
+    """Measure the overhead of splitting Linear units by these (``()``: no split choices)."""
+    check_checkpointing: bool = True
+    precision: str = "32-true"
+    """Lightning's ``precision`` flag (the fake step of a profile from shapes needs it)."""
+
+
+def weight_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def budget_floor_bytes(module: nn.Module, budget: MemoryBudget, device_bytes: int, world_size: int) -> int:
+    """The budget in bytes, or for a share of a baseline's peak (``"60%ddp"``) the share of that
+    baseline's state alone (weights, gradients, optimizer state: no activations), which the budget
+    is at least; known before anything is profiled."""
+    if not budget.needs_profile:
+        return budget.of_device(device_bytes)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    if not trainable:
+        return 0
+    optimizer = configured_optimizer(module)
+    elem = trainable[0].element_size()
+    optimizer_bytes = optimizer_state_bytes_per_param(optimizer, trainable[0].dtype) if optimizer else 0
+    count = sum(p.numel() for p in trainable)
+    sharded = {"replicate": 0.0, "zero2": elem + optimizer_bytes, "zero3": 2 * elem + optimizer_bytes}[budget.baseline]
+    state = count * (2 * elem + optimizer_bytes - sharded + sharded / world_size)
+    return int(budget.share * state)
+
+
+def whole_profile_fits(module: nn.Module, budget_bytes: int) -> bool:
+    """Whether profiling the whole model on one device stays within ``budget_bytes``."""
+    return WHOLE_PROFILE_WEIGHT_COPIES * weight_bytes(module) <= budget_bytes
+
+
+def profile_model(module: nn.Module, batch: object, device: torch.device, options: ProfileOptions, *,
+                  whole: bool, optimizer: torch.optim.Optimizer | None = None,
+                  step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                  ) -> ModelProfile:
+    """The profile of ``module`` training on ``batch``: whole on ``device``, or from shapes."""
+    units = dict(unit_module_types=options.unit_module_types, unit_name_patterns=options.unit_name_patterns,
+                 min_unit_params=options.min_unit_params)
+    if not whole:
+        return profile_from_shapes(module, batch, device, precision=options.precision, step_context=step_context,
+                                   split_factors=options.split_factors,
+                                   check_checkpointing=options.check_checkpointing, repeats=options.repeats,
+                                   **units)
+    profile = profile_lightning_module(module, batch, optimizer=optimizer, step_context=step_context,
+                                       repeats=options.repeats, check_checkpointing=options.check_checkpointing,
+                                       **units)
+    if options.split_factors:
+        profile = measure_split_overheads(module, batch, profile, options.split_factors, step_context)
+    return profile
+
+
+@dataclasses.dataclass(frozen=True)
+class SolveOptions:
+    choice_options: ChoiceOptions
+    uniform_choice: Choice | str | None = None
+    micro_batch_size: int | str | None = None
+    """See :func:`batch_candidates`; ``"auto"`` keeps the fastest of several sizes."""
+    time_limit_s: float | None = 60.0
+    accumulation_steps: int = 1
+
+
+def resolved_cluster(profile: ModelProfile, cluster_for: Callable[[int | None], ClusterSpec],
+                     budget: MemoryBudget | None) -> tuple[ClusterSpec, int | None]:
+    """The cluster with its budget in bytes, and the baseline peak a share budget was taken of."""
+    cluster = cluster_for(None)
+    if budget is None or not budget.needs_profile:
+        return cluster, None
+    assert budget.baseline is not None
+    baseline_peak = baseline_peak_bytes(profile, cluster, budget.baseline)
+    return cluster_for(budget.of_peak(baseline_peak)), baseline_peak
+
+
+def batch_candidates(profile: ModelProfile, micro_batch_size: int | str | None) -> tuple[int, ...] | None:
+    """Micro-batch sizes to plan for: ``None`` (the profiled one), ``"auto"`` (several), or one."""
+    if micro_batch_size is None:
+        return None
+    if micro_batch_size == "auto":
+        return tuple(sorted({max(1, int(profile.micro_batch_size * f)) for f in AUTO_BATCH_FACTORS}))
+    return (int(micro_batch_size),)
+
+
+def solve_plan(profile: ModelProfile, cluster: ClusterSpec, options: SolveOptions) -> Plan:
+    """The plan for ``profile`` on ``cluster`` (raises ``InfeasibleBudgetError`` when nothing fits)."""
+    candidates = batch_candidates(profile, options.micro_batch_size)
+    return make_plan(profile, cluster, uniform_choice=options.uniform_choice, micro_batch_sizes=candidates,
+                     choices=choice_space(cluster, options.choice_options), time_limit_s=options.time_limit_s,
+                     accumulation_steps=options.accumulation_steps)

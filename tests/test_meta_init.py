@@ -1,0 +1,173 @@
+"""Models built on the meta device: planned from shapes, sharded, then materialized unit by unit.
+
+The 2-rank runs train a 3-block GPT built under ``trainer.init_module(empty_init=True)`` (the way
+Lightning documents for large models) next to the same GPT built eagerly under Lightning's DDP.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from ckpt_launch import SCRIPTS, run_ranks  # noqa: E402
+from meta_train import CONFIG, build  # noqa: E402
+from osdp_lightning.recipes.gpt import GPT, GPTLitModule  # noqa: E402
+
+from osdp_lightning.budget import parse_memory_budget  # noqa: E402
+from osdp_lightning.fakestep import build_meta_module  # noqa: E402
+from osdp_lightning.materialize import UninitializedModuleError, has_meta_tensors, materialize  # noqa: E402
+from osdp_lightning.pipeline import budget_floor_bytes, whole_profile_fits  # noqa: E402
+from osdp_lightning.profile import profile_lightning_module  # noqa: E402
+from osdp_lightning.unitbench import UnitMeasureError, profile_from_shapes  # noqa: E402
+
+STEPS = 6
+BUDGET = "60%ddp"  # below every uniform layout but zero3's: the plan mixes choices
+
+
+def _run(tmp_path: Path, name: str, *args: str) -> list[dict]:
+    out = tmp_path / name
+    finished = run_ranks([str(SCRIPTS / "meta_train.py"), "--out", str(out), "--steps", str(STEPS), *args],
+                         tmp_path / f"{name}.log", timeout_s=240)
+    assert finished.returncode == 0, finished.output[-3000:]
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def seed_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("seed") / "seed.pt"
+    torch.manual_seed(1)
+    torch.save(build("gpt").state_dict(), path)
+    return path
+
+
+def test_meta_built_gpt_trains_like_ddp_under_a_mixed_plan(tmp_path: Path, seed_weights: Path) -> None:
+    """The same initial weights in both: losses equal Lightning DDP's on an eagerly built model."""
+    ddp = _run(tmp_path, "ddp.json", "--strategy", "ddp", "--seed-weights", str(seed_weights))
+    osdp = _run(tmp_path, "osdp.json", "--strategy", "osdp", "--meta", "--budget", BUDGET,
+                "--seed-weights", str(seed_weights))
+    plan = osdp[0]["plan"]
+    assert len({choice.split("+")[0] for choice in plan.values()}) >= 2, plan  # a mix, not one layout
+    assert osdp[0]["losses"] == pytest.approx(ddp[0]["losses"], rel=1e-4, abs=1e-6)
+    assert len(osdp[0]["losses"]) == STEPS
+
+
+def test_meta_built_gpt_is_initialised_alike_on_every_rank(tmp_path: Path) -> None:
+    """Without a checkpoint: the recipe's own init, replicated tensors identical on both ranks,
+    every tensor finite and on the device, and the loss starts where a random GPT's does."""
+    ranks = _run(tmp_path, "init.json", "--strategy", "osdp", "--meta", "--budget", BUDGET)
+    first, second = ranks[0]["state"], ranks[1]["state"]
+    assert any(v["sharded"] for v in first.values()) and any(not v["sharded"] for v in first.values())
+    for name, mine in first.items():
+        assert mine["finite"] and not mine["meta"], name
+        if not mine["sharded"]:
+            assert mine["sum"] == second[name]["sum"], f"{name} differs between the ranks"
+    # GPT-2's init: normal(0, 0.02) embeddings, residual projections scaled by 1/sqrt(2 * n_layer)
+    assert first["net.wpe.weight"]["std"] == pytest.approx(0.02, rel=0.15)
+    projection = next(v for k, v in first.items() if k.endswith("mlp.c_proj.weight"))
+    assert projection["std"] == pytest.approx(0.02 / math.sqrt(2 * CONFIG.n_layer), rel=0.15)
+    assert ranks[0]["losses"][0] == pytest.approx(math.log(CONFIG.vocab_size), rel=0.02)
+
+
+def test_a_module_no_reset_parameters_reaches_is_named_on_every_rank(tmp_path: Path) -> None:
+    ranks = _run(tmp_path, "bad.json", "--strategy", "osdp", "--meta", "--model", "uninit")
+    for rank in ranks:
+        assert "UninitializedModuleError" in rank["error"] or "not initialised" in rank["error"], rank
+        assert "UninitializedGPT" in rank["error"] and "scale" in rank["error"]
+
+
+# -- one process ------------------------------------------------------------------------------
+def _gpt_batch() -> dict[str, torch.Tensor]:
+    tokens = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.block_size), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": tokens, "labels": tokens}
+
+
+def test_profile_from_shapes_matches_the_whole_profile_in_bytes_and_roughly_in_time() -> None:
+    with torch.device("meta"):
+        meta = GPTLitModule(GPT(CONFIG))
+    shapes = profile_from_shapes(meta, _gpt_batch(), torch.device("cpu"), split_factors=(2,))
+    whole = profile_lightning_module(GPTLitModule(GPT(CONFIG)), _gpt_batch())
+    assert has_meta_tensors(meta)  # nothing of the model itself was materialized
+    assert [u.name for u in shapes.units] == [u.name for u in whole.units]
+    for s, w in zip(shapes.units, whole.units, strict=True):
+        assert (s.param_count, s.frozen_param_count) == (w.param_count, w.frozen_param_count)
+    blocks = [u for u in shapes.units if u.name.startswith("net.h.")]
+    assert len({(u.forward_s, u.backward_s) for u in blocks}) == 1  # one kind of block, measured once
+    assert all(u.forward_s > 0 and u.backward_s > 0 for u in blocks)
+    assert any(dict(p.split_overhead_s) for u in blocks for p in u.parts)  # measured on the real copy
+    assert shapes.activation_bytes == pytest.approx(whole.activation_bytes, rel=0.1)
+    assert 0.2 < shapes.step_s / whole.step_s < 5  # the same order: measured on real blocks
+
+
+def test_a_unit_that_cannot_run_alone_is_a_clear_error() -> None:
+    class NeedsItsParent(nn.Module):
+        """Reads what its parent set on it during the parent's forward."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + self.offset_from_parent
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(NeedsItsParent() for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                block.offset_from_parent = x.mean(dim=0)
+                x = block(x)
+            return x
+
+    with torch.device("meta"):
+        model = Model()
+    with pytest.raises(UnitMeasureError, match="cannot measure unit 'blocks.0'.*Build the model eagerly"):
+        profile_from_shapes(model, torch.randn(2, 64), torch.device("cpu"))
+
+
+def test_materialize_initialises_each_unit_from_reset_parameters_alone() -> None:
+    """One process: the plan's units come alive one at a time, with GPT's init, ties kept."""
+    with torch.device("meta"):
+        model = GPTLitModule(GPT(CONFIG))
+    template = build_meta_module(model)
+    units = [("net.wte", "net.lm_head"), ("net.h.0",), ("net.h.1",), ("net.h.2",), ("",)]
+    materialize(model, model, template, units, torch.device("cpu"), seed=3)
+    assert not has_meta_tensors(model) and has_meta_tensors(template)
+    assert model.net.lm_head.weight is model.net.wte.weight
+    assert model.net.ln_f.weight.eq(1).all() and model.net.h[0].attn.c_attn.bias.eq(0).all()
+    assert float(model.net.wte.weight.detach().std()) == pytest.approx(0.02, rel=0.1)
+    with torch.device("meta"):
+        again = GPTLitModule(GPT(CONFIG))
+    materialize(again, again, build_meta_module(again), units, torch.device("cpu"), seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True))
+
+
+def test_materialize_names_the_module_left_uninitialised() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.gain = nn.Parameter(torch.ones(8))
+
+    with torch.device("meta"):
+        model = Scaled()
+    with pytest.raises(UninitializedModuleError, match=r"Scaled \(Scaled: gain\).*reset_parameters"):
+        materialize(model, model, build_meta_module(model), [("lin",), ("",)], torch.device("cpu"), seed=0)
+
+
+def test_an_eager_model_is_profiled_whole_only_where_three_copies_of_its_weights_fit() -> None:
+    model = GPTLitModule(GPT(CONFIG))
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert whole_profile_fits(model, 3 * weights) and not whole_profile_fits(model, 3 * weights - 1)
+    # "100%ddp" is at least the DDP state (weights, gradients, Adam's two moments): 4x the weights
+    floor = budget_floor_bytes(model, parse_memory_budget("100%ddp"), device_bytes=2**40, world_size=2)
+    assert floor == 4 * weights and whole_profile_fits(model, floor)
+    assert not whole_profile_fits(model, budget_floor_bytes(model, parse_memory_budget("60%ddp"), 2**40, 2))
