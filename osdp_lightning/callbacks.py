@@ -4,12 +4,19 @@ Peak bytes come from PyTorch's own trackers on CPU (``FSDPMemTracker`` for model
 parameters FSDP2 manages, ``MemTracker`` otherwise) over one whole training step (forward,
 backward, optimizer), and from the CUDA allocator on GPUs. Throughput is the median step time
 after warm-up; the tracked step is left out of it because the tracker slows every operation down.
+
+Beside the step's tensors, the high-water mark of the whole process is kept twice: when setup
+ends (calibration, profiling, sharding, materializing) and when training ends: on CUDA the
+allocator's most allocated bytes, on CPU the resident set's high-water mark (``VmHWM``: it also
+counts the interpreter, torch, Lightning and gloo, a fixed cost to subtract when comparing with a
+budget; run with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed large tensors leave the set).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import statistics
 import time
 from typing import Any
@@ -54,6 +61,12 @@ class TrainingSummary(Callback):
         self._samples_per_step = 0
         self._tokens_per_sample = 1
         self._last_loss: float | None = None
+        self._setup_peak_bytes = 0
+        self._process_peak_bytes = 0
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._setup_peak_bytes = process_peak_bytes(trainer.strategy.root_device)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -66,6 +79,8 @@ class TrainingSummary(Callback):
                 int(first.shape[1]) if first is not None and first.dim() >= 2 else 1)
         if trainer.global_step == self.track_memory_step and self._tracker is None:
             self._tracked_index = len(self._step_starts) - 1
+            # NOTE: the CUDA tracker resets the allocator's peak: keep what came before it.
+            self._process_peak_bytes = process_peak_bytes(trainer.strategy.root_device)
             self._tracker = _start_tracking(trainer)
 
     @override
@@ -92,6 +107,10 @@ class TrainingSummary(Callback):
         step_s = statistics.median(timed) if timed else float("nan")
         world = trainer.world_size
         peak = strategy.reduce(torch.tensor(float(self._peak_bytes), device=strategy.root_device), reduce_op="max")
+        process = max(self._setup_peak_bytes, self._process_peak_bytes, process_peak_bytes(strategy.root_device))
+        setup_peak, process_peak = (int(strategy.reduce(torch.tensor(float(b), device=strategy.root_device),
+                                                         reduce_op="max").item())
+                                    for b in (self._setup_peak_bytes, process))
         loss = strategy.reduce(torch.tensor(self._last_loss if self._last_loss is not None else float("nan"),
                                             device=strategy.root_device), reduce_op="mean")
         plan = getattr(strategy, "_plan", None)
@@ -101,9 +120,11 @@ class TrainingSummary(Callback):
             "steps": trainer.global_step, "step_s": step_s,
             "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * self._tokens_per_sample,
             "peak_bytes": int(peak.item()), "memory_budget_bytes": budget,
+            "setup_peak_bytes": setup_peak, "process_peak_bytes": process_peak,
             "predicted_peak_bytes": getattr(plan, "predicted_peak_bytes", None),
             "predicted_step_s": getattr(plan, "predicted_step_s", None),
             "final_loss": float(loss.item()), "world_size": world, "micro_batch_size": self._samples_per_step,
+            "process_peak_kind": "cuda" if strategy.root_device.type == "cuda" else "resident",
         }
         if self.module_memory:
             self.summary["module_memory_rank"], self.summary["module_memory"] = self._peak_rank_modules(trainer)
@@ -129,6 +150,10 @@ class TrainingSummary(Callback):
             f"measured peak per rank: {format_bytes(s['peak_bytes'])}",
             f"final loss: {s['final_loss']:.4f}",
         ]
+        if s.get("process_peak_bytes"):
+            what = "allocated" if s.get("process_peak_kind") == "cuda" else "process resident set, interpreter included"
+            lines.insert(3, f"high-water mark per rank ({what}): after setup {format_bytes(s['setup_peak_bytes'])}, "
+                            f"after training {format_bytes(s['process_peak_bytes'])}")
         if s["memory_budget_bytes"]:
             ratio = s["peak_bytes"] / s["memory_budget_bytes"]
             lines[2] += f" of budget {format_bytes(s['memory_budget_bytes'])} ({100 * ratio:.1f}%)"
@@ -139,6 +164,21 @@ class TrainingSummary(Callback):
             error = s["predicted_step_s"] / s["step_s"] - 1 if s["step_s"] == s["step_s"] and s["step_s"] else float("nan")
             lines[0] += f"; predicted {s['predicted_step_s']:.4f} s (error {100 * error:+.1f}%)"
         return "\n".join(lines)
+
+
+def process_peak_bytes(device: torch.device) -> int:
+    """The process's high-water mark so far: the CUDA allocator's most allocated bytes, or the
+    resident set's (``VmHWM``; ``ru_maxrss`` where /proc is missing)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _first_tensor(batch: Any) -> torch.Tensor | None:

@@ -15,6 +15,7 @@ directory (:mod:`osdp_lightning.cli.sweep`); the sweep ends with a summary table
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -40,6 +41,7 @@ from osdp_lightning.cli.common import (
 )
 from osdp_lightning.plot import try_plot_plan
 from osdp_lightning.report import format_comparison, prediction_errors
+from osdp_lightning.strategy import OSDPStrategy
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -47,14 +49,20 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     check_cluster_runs_here(cfg.cluster, "osdp-train")
     pl.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
-    module = instantiate(cfg.model)
     strategy = instantiate(cfg.strategy, _convert_="all")
+    meta_init = bool(cfg.get("meta_init", False))
+    if meta_init and not isinstance(strategy, OSDPStrategy):
+        raise ValueError(f"meta_init=true builds the model on the meta device, which only strategy=osdp "
+                         f"materializes; got strategy {type(strategy).__name__} (use meta_init=false)")
     summary = TrainingSummary(tokens_per_sample=datamodule.tokens_per_sample)
     loggers = [instantiate(logger) for logger in cfg.get("logger", {}).values()]
     # NOTE: Lightning switches to its rich progress bar when `rich` is installed (transformers, a test
     # dependency, pulls it in; it shows "Epoch 0/-2" for max_epochs=-1): the tqdm bar either way.
     bar = [TQDMProgressBar()] if cfg.trainer.get("enable_progress_bar", True) else []
     trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=[summary, *bar], logger=loggers or False)
+    # Lightning's way to build a model too large for one device: on the meta device, materialized by osdp
+    with trainer.init_module(empty_init=True) if meta_init else contextlib.nullcontext():
+        module = instantiate(cfg.model)
     try:
         trainer.fit(module, datamodule=datamodule)
         return report(trainer, summary, cfg) if trainer.is_global_zero else {}
