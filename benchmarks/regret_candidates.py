@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from osdp_lightning.budget import PLAN_HEADROOM_FRACTION
+from osdp_lightning.choice_table import build_choice_table
 from osdp_lightning.choices import ChoiceOptions, choice_space
 from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.cost import ChoiceTable, build_choice_table
+from osdp_lightning.cost import ChoiceTable
 from osdp_lightning.plan import InfeasibleBudgetError, Plan, _assemble, make_plan
 from osdp_lightning.profile import ModelProfile, with_units
 from osdp_lightning.solve import next_best_solutions, peak_bytes

@@ -20,8 +20,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from osdp_lightning.choice_table import build_choice_table
 from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.cost import ChoiceTable, build_choice_table
+from osdp_lightning.cost import ChoiceTable
 from osdp_lightning.profile import ModelProfile, UnitProfile, with_units
 from osdp_lightning.solve import peak_bytes
 

@@ -3,7 +3,7 @@
 Run with ``python -m benchmarks.solver_bench [--quick]``. Prints markdown tables; the solver's
 time targets are printed beside the figures, never asserted.
 
-- Synthetic tables from the project's own cost model (:func:`~osdp_lightning.cost.build_choice_table`)
+- Synthetic tables from the project's own cost model (:func:`~osdp_lightning.choice_table.build_choice_table`)
   on a GPT-2-XL-like stack of Linear units (hidden 1536; qkv, attention out, MLP up, MLP down per
   layer, then a root unit), 8 ranks, 12 choices per unit (base + split), +-10 % noise on every
   unit's seconds as a real profile has; budgets at the smallest that fits plus 0 / 5 / 25 % of the
@@ -38,9 +38,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from osdp_lightning.choice_table import build_choice_table
 from osdp_lightning.choices import BASE_CHOICES, Choice, split_choice
 from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.cost import build_choice_table
 from osdp_lightning.profile import ModelProfile, UnitProfile
 from osdp_lightning.solve import (
     SETTLE_AFTER_S,

@@ -4,9 +4,9 @@ Two sources, one result:
 
 - a cluster description (``conf/cluster/<name>.yaml``, or any mapping with the same keys) for a
   cluster you plan for but may not have: :func:`cluster_spec_from_config`, :func:`load_cluster_spec`;
-- the live process group of the run itself: :func:`measure_node_collectives` times collectives
-  inside a node and across nodes, :func:`live_cluster_spec` combines them with the topology
-  (world size, ranks per node) that Lightning or torchrun reports.
+- the live process group of the run itself: :mod:`osdp_lightning.links` times collectives on the
+  whole world, inside a node and across nodes; :func:`live_cluster_spec` combines those timings
+  with the topology (world size, ranks per node) that Lightning or torchrun reports.
 
 Links are modelled as two tiers. Inside a node (NVLink, PCIe, loopback) a collective runs at
 ``intra_node_*``; a collective whose group spans nodes runs at the slower ``inter_node_*`` link
@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from osdp_lightning.budget import parse_bytes, parse_memory_budget
-from osdp_lightning.calibrate import CollectiveTimings, least_time_s
+from osdp_lightning.links import CollectiveTimings, NodeTimings, measure_node_collectives
 from osdp_lightning.step_terms import StepTerms, step_terms_from_config
 
 
@@ -223,66 +221,11 @@ def _optional_float(value: Any) -> float | None:
 # ---------------------------------------------------------------------------------------------
 # From the live environment
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class NodeTimings:
-    """Collective timings measured inside one node and across nodes (rank 0's figures)."""
-
-    intra_latency_s: float
-    """Median seconds of a one-element all-reduce among the ranks of one node."""
-    intra_bandwidth_bytes_per_s: float
-    """All-gather bus bandwidth among the ranks of one node."""
-    inter_latency_s: float
-    """Median seconds of a one-element all-reduce among one rank of each node."""
-    inter_bandwidth_bytes_per_s: float
-    """All-gather bus bandwidth among one rank of each node."""
-    measure_s: float
-    """Wall seconds the measurement took."""
-
-
 def environment_topology() -> tuple[int, int]:
     """``(world_size, ranks_per_node)`` of the running job (torchrun / SLURM / Lightning variables)."""
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE")
     return world, int(local) if local else world
-
-
-def _time_group(group: dist.ProcessGroup, device: torch.device, payload_bytes: int,
-                repeats: int) -> tuple[float, float]:
-    """``(latency_s, bandwidth_bytes_per_s)`` of ``group``: a tiny all-reduce and a large all-gather."""
-    size = dist.get_world_size(group)
-    tiny = torch.zeros(1, device=device)
-    shard = torch.ones(max(payload_bytes // 4 // size, 1), device=device)
-    gathered = torch.empty(shard.numel() * size, device=device)
-    latency = least_time_s(lambda: dist.all_reduce(tiny, group=group), device, repeats)
-    gather_s = least_time_s(lambda: dist.all_gather_into_tensor(gathered, shard, group=group), device, repeats)
-    moved = gathered.numel() * 4 * (size - 1) / size
-    return latency, moved / max(gather_s - latency, 1e-9)
-
-
-def measure_node_collectives(device: torch.device, ranks_per_node: int, payload_bytes: int = 4 * 2**20,
-                             repeats: int = 3) -> NodeTimings:
-    """Time collectives inside each node and across nodes; every rank must call it.
-
-    Ranks ``n * ranks_per_node ... (n + 1) * ranks_per_node - 1`` form node ``n`` (how torchrun,
-    SLURM and Lightning number them). Rank 0's figures are broadcast: plans made from per-rank
-    timings could differ and deadlock.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    start = time.perf_counter()
-    world = dist.get_world_size()
-    if world % ranks_per_node:
-        raise ValueError(f"world size {world} is not a multiple of {ranks_per_node} ranks per node")
-    mesh = init_device_mesh(device.type, (world // ranks_per_node, ranks_per_node),
-                            mesh_dim_names=("node", "local"))
-    intra = (0.0, float("inf"))
-    if ranks_per_node > 1:
-        intra = _time_group(mesh.get_group("local"), device, payload_bytes, repeats)
-    inter = _time_group(mesh.get_group("node"), device, payload_bytes, repeats)
-    figures = torch.tensor([*intra, *inter], dtype=torch.float64, device=device)
-    dist.broadcast(figures, src=0)
-    values = [float(x) for x in figures.tolist()]
-    return NodeTimings(*values, measure_s=time.perf_counter() - start)
 
 
 def live_cluster_spec(*, world_size: int, ranks_per_node: int, memory_budget_bytes: int,
@@ -291,7 +234,7 @@ def live_cluster_spec(*, world_size: int, ranks_per_node: int, memory_budget_byt
                       headroom_fraction: float = 0.0) -> ClusterSpec:
     """The ClusterSpec of the running job.
 
-    ``timings`` come from :func:`osdp_lightning.calibrate.measure_collectives` on the whole world;
+    ``timings`` come from :func:`osdp_lightning.links.measure_collectives` on the whole world;
     with several nodes, ``node_timings`` split them into the intra-node and inter-node link. No
     timings (one process) means communication is free, which is right: there is none.
     """
@@ -308,3 +251,9 @@ def live_cluster_spec(*, world_size: int, ranks_per_node: int, memory_budget_byt
                        overlap_efficiency=overlap, headroom_bytes=headroom_bytes,
                        headroom_fraction=headroom_fraction, ranks_per_node=ranks_per_node,
                        inter_node_bandwidth_bytes_per_s=inter_bandwidth, inter_node_latency_s=inter_latency)
+
+
+# NOTE: NodeTimings and measure_node_collectives live in links.py; callers import them from here too.
+__all__ = ["ClusterSpec", "NodeTimings", "cluster_config_dir", "cluster_spec_from_config", "config_budget_bytes",
+           "describe_cluster", "environment_topology", "live_cluster_spec", "load_cluster_config",
+           "load_cluster_spec", "measure_node_collectives"]

@@ -15,9 +15,10 @@ from pathlib import Path
 from torch import nn
 
 from osdp_lightning.budget import format_budget, format_bytes
+from osdp_lightning.choice_table import build_choice_table
 from osdp_lightning.choices import BASE_CHOICES, REPLICATE, Choice, is_known, known_names, parse, resolve
 from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.cost import ChoiceTable, build_choice_table
+from osdp_lightning.cost import ChoiceTable
 from osdp_lightning.profile import ModelProfile, with_parts
 from osdp_lightning.solve import (
     choice_step_s,

@@ -12,7 +12,6 @@ import pytest
 import torch
 from ckpt_launch import run_ranks, script
 
-from osdp_lightning import calibrate
 from osdp_lightning.calibrate import (
     BUSY_CPU_SHARE,
     CACHE_DRAWS,
@@ -24,6 +23,7 @@ from osdp_lightning.calibrate import (
     read_cache,
     write_cache,
 )
+from osdp_lightning.calibrate import fit as fitting
 from osdp_lightning.step_terms import (
     MACHINERY,
     PLAIN,
@@ -114,17 +114,17 @@ def test_a_bad_cache_is_ignored_with_one_line(cache: Path, damage: str, caplog: 
 
 def test_the_fits_recover_a_line_and_never_go_negative() -> None:
     line = [(x, 2e-4 + 1e-9 * x) for x in (6.4e4, 1e6, 4e6, 1.6e7)]
-    fit = calibrate._fit(line, 1)
+    fit = fitting._fit(line, 1)
     assert fit.constant_s == pytest.approx(2e-4) and fit.per_byte_s == pytest.approx(1e-9)
-    assert calibrate._fit(line, 4).constant_s == pytest.approx(5e-5)  # the constant is per counted item
+    assert fitting._fit(line, 4).constant_s == pytest.approx(5e-5)  # the constant is per counted item
     # A collective's constant is its smallest size's time, so a slow largest size moves the rate,
     # not the latency, and a fast one cannot push the constant below 0.
     slow_top = [*line[:-1], (1.6e7, 2e-4 + 1.5e-9 * 1.6e7)]
-    collective = calibrate._collective_fit(slow_top)
+    collective = fitting._collective_fit(slow_top)
     assert collective.per_byte_s > 1e-9
     assert collective.constant_s == pytest.approx(max(line[0][1] - collective.per_byte_s * 6.4e4, 0.0))
-    assert calibrate._fit([(1.0, 3.0), (2.0, 1.0)], 1) == Affine(2.0, 0.0)  # falling: rate 0
-    assert calibrate._collective_fit([(1e6, 1e-4), (2e6, 1e-2)]).constant_s == 0.0
+    assert fitting._fit([(1.0, 3.0), (2.0, 1.0)], 1) == Affine(2.0, 0.0)  # falling: rate 0
+    assert fitting._collective_fit([(1e6, 1e-4), (2e6, 1e-2)]).constant_s == 0.0
 
 
 def test_cluster_configs_give_complete_terms() -> None:

@@ -16,10 +16,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from toy_models import DropoutMLP, HuggingFaceLM, MemoMLP  # noqa: E402
 
+from osdp_lightning.choice_table import build_choice_table  # noqa: E402
 from osdp_lightning.choices import ChoiceOptions, choice_cost, choice_space, parse  # noqa: E402
 from osdp_lightning.choices.checkpointing import checkpoint_module, refusal_message  # noqa: E402
 from osdp_lightning.cluster import ClusterSpec  # noqa: E402
-from osdp_lightning.cost import CostContext, build_choice_table  # noqa: E402
+from osdp_lightning.cost import CostContext  # noqa: E402
 from osdp_lightning.plan import InfeasibleBudgetError, make_plan  # noqa: E402
 from osdp_lightning.profile import ModelProfile, UnitProfile, profile_lightning_module  # noqa: E402
 

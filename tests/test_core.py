@@ -21,9 +21,10 @@ from toy_models import MLP, TiedLM, TorchTransformer  # noqa: E402
 
 import osdp_lightning  # noqa: E402
 from osdp_lightning import OSDPStrategy, Plan, PlanMismatchError, make_plan, parse_bytes  # noqa: E402
+from osdp_lightning.choice_table import build_choice_table  # noqa: E402
 from osdp_lightning.choices import choice_cost  # noqa: E402
 from osdp_lightning.cluster import ClusterSpec  # noqa: E402
-from osdp_lightning.cost import CostContext, all_reduce_s, build_choice_table  # noqa: E402
+from osdp_lightning.cost import CostContext, all_reduce_s  # noqa: E402
 from osdp_lightning.plan import InfeasibleBudgetError  # noqa: E402
 from osdp_lightning.profile import (  # noqa: E402
     ModelProfile,

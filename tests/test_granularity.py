@@ -17,8 +17,8 @@ from osdp_lightning.recipes.t5.model import T5, T5Config  # noqa: E402
 from test_core_multiprocess import assert_plan_and_memory, assert_same_losses  # noqa: E402
 from toy_models import MLP, HuggingFaceLM, TiedLM, TorchTransformer  # noqa: E402
 
+from osdp_lightning.choice_table import build_choice_table  # noqa: E402
 from osdp_lightning.cluster import ClusterSpec  # noqa: E402
-from osdp_lightning.cost import build_choice_table  # noqa: E402
 from osdp_lightning.plan import fixed_plan, make_plan, root_folds, unit_sets  # noqa: E402
 from osdp_lightning.profile import profile_lightning_module, with_parts, with_units  # noqa: E402
 from osdp_lightning.solve import smallest_feasible_budget  # noqa: E402

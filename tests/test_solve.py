@@ -12,7 +12,8 @@ import pulp
 import pytest
 
 from osdp_lightning import solve
-from osdp_lightning.cost import ChoiceCost, ChoiceTable, UnitCosts, build_choice_table
+from osdp_lightning.choice_table import build_choice_table
+from osdp_lightning.cost import ChoiceCost, ChoiceTable, UnitCosts
 from osdp_lightning.solve import (
     FEASIBLE,
     INFEASIBLE,

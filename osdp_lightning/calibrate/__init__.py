@@ -1,0 +1,140 @@
+"""Step terms measured on the live process group at setup (part of the cost stage, above the
+pipeline it prices: it applies tiny plans and prices them with the cost model and the solver).
+
+:func:`calibrate_step_terms`: every step-time term besides compute
+(:class:`~osdp_lightning.step_terms.StepTerms`): each collective kind at four sizes, FSDP2's own work
+and the optimizer step per choice from tiny plans (:mod:`~osdp_lightning.calibrate.bench`, fitted by
+:mod:`~osdp_lightning.calibrate.fit`), cached per machine (:mod:`~osdp_lightning.calibrate.cache`).
+The link figures (latency, bandwidth, overlap) are :mod:`osdp_lightning.links`'; they are imported
+from here too.
+
+Every rank takes part in the collectives, but only rank 0's numbers are used: they are
+broadcast, because plans derived from per-rank timings would differ and deadlock.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from osdp_lightning.apply import Meshes
+from osdp_lightning.calibrate.bench import (
+    BENCH_ROUNDS_S,
+    COLLECTIVE_REPEATS,
+    SPLIT_CHOICE,
+    STACK_WIDTHS,
+    build_bench,
+    clone_optimizer,
+    release_benches,
+    time_benches,
+    time_collective_sizes,
+)
+from osdp_lightning.calibrate.cache import (
+    CACHE_DRAWS,
+    CACHE_ENV,
+    CACHE_FORMAT,
+    CACHE_MAX_AGE_S,
+    cache_dir,
+    cache_file,
+    calibration_key,
+    median_terms,
+    read_cache,
+    write_cache,
+)
+from osdp_lightning.calibrate.fit import fit_terms
+from osdp_lightning.links import CollectiveTimings, least_time_s, measure_collectives
+from osdp_lightning.step_terms import StepTerms
+
+QUIET_CPU_SHARE = 0.80
+"""Share of a core each of 2 gloo ranks got during a calibration on this project's quiet 2-core VM
+(0.78-0.82: the rest is waiting in collectives)."""
+BUSY_CPU_SHARE = 0.65
+"""Below this share a calibration is used but not cached (:func:`busy_reason`). Beside one busy
+process on those 2 cores the ranks got 0.52-0.55 of a core and zero3's per-group constant rose from
+5.8 to 8.1 ms; beside two, 0.40-0.44 and 14.5 ms (means of 3-4 calibrations). A cache written then
+over-priced sharding in every later launch (docs/design.md section 7)."""
+
+
+def measure_step_terms(device: torch.device, optimizer: torch.optim.Optimizer | None, meshes: Meshes, *,
+                       split: bool = True, loop_step_s: float = 0.0, repeats: int = 5) -> StepTerms:
+    """Time collectives and tiny plans on every rank; fit the terms from rank 0's timings."""
+    start, start_cpu = time.perf_counter(), time.process_time()
+    collective_s = time_collective_sizes(device, COLLECTIVE_REPEATS)
+    configs = ["local", "replicate", "zero2", "zero3"] + (["local_split", SPLIT_CHOICE] if split else [])
+    benches = {(c, w): build_bench(c, w, device, meshes, optimizer) for w in STACK_WIDTHS for c in configs}
+    time_benches(benches, device, repeats, BENCH_ROUNDS_S)
+    raw: list[Any] = [(collective_s, {k: (b.step_s, b.optimizer_s) for k, b in benches.items()})]
+    dist.broadcast_object_list(raw, src=0)
+    collective_s = raw[0][0]
+    for key, (step_s, optimizer_s) in raw[0][1].items():
+        benches[key].step_s, benches[key].optimizer_s = step_s, optimizer_s
+    collectives, overhead, optimizer_terms = fit_terms(collective_s, benches, meshes.shard.size(), split)
+    extra = {f"{c}@{w}_step_s": statistics.median(b.step_s) for (c, w), b in benches.items()}
+    extra.update({f"{c}@{w}_optimizer_s": statistics.median(b.optimizer_s) for (c, w), b in benches.items()
+                  if b.optimizer_s})
+    extra.update({f"{k}_s": v for k, v in collective_s.items()})
+    # NOTE: CPU seconds of this process say what the wall time would be on an idle machine; the
+    # least share of a core any rank got says how busy the machine was (busy_reason).
+    elapsed = [(time.perf_counter() - start, time.process_time() - start_cpu)] * dist.get_world_size()
+    dist.all_gather_object(elapsed, elapsed[0])
+    extra["calibrate_cpu_s"] = elapsed[0][1]
+    extra["calibrate_cpu_share"] = min(cpu_s / max(wall_s, 1e-9) for wall_s, cpu_s in elapsed)
+    release_benches(benches)
+    return StepTerms(collectives, overhead, optimizer_terms, loop_step_s, source="measured at setup",
+                     calibrate_s=elapsed[0][0], extra=extra)
+
+
+def busy_reason(terms: StepTerms, device: torch.device) -> str | None:
+    """Why freshly measured ``terms`` must not be cached (the machine was busy), or ``None``.
+
+    On CPU a rank that waits for a core, or for a rank that does, gets less of one: the terms then
+    price sharding for a busier machine than the next launch may find, and a cache would carry
+    them into every later launch. On CUDA the ranks wait for the device, not for cores: no check.
+    """
+    share = terms.extra.get("calibrate_cpu_share")
+    if device.type != "cpu" or share is None or share >= BUSY_CPU_SHARE:
+        return None
+    return (f"the machine was busy while they were measured (a rank got {100 * share:.0f}% of a core; "
+            f"{100 * QUIET_CPU_SHARE:.0f}% on a quiet machine)")
+
+
+def calibrate_step_terms(device: torch.device, optimizer: torch.optim.Optimizer | None, meshes: Meshes, *,
+                         ranks_per_node: int, split: bool = True, loop_step_s: float = 0.0,
+                         use_cache: bool = True) -> StepTerms:
+    """The step terms of this process group: the median of the cached calibrations once there are
+    :data:`CACHE_DRAWS` of them that rank 0 trusts; else measured, added to the cache and taken
+    with the cached ones (every rank must call this; every rank returns rank 0's terms)."""
+    key = calibration_key(device, dist.get_world_size(), ranks_per_node, optimizer, split)
+    path = cache_file(key)
+    found: list[Any] = [[]]
+    if use_cache and dist.get_rank() == 0:
+        found[0] = [draw.to_dict() for draw in read_cache(path, key) or []][-CACHE_DRAWS:]
+    dist.broadcast_object_list(found, src=0)
+    draws = [StepTerms.from_dict(draw) for draw in found[0]]
+    if len(draws) == CACHE_DRAWS:
+        terms = median_terms(draws, source=f"cache {path} (median of {len(draws)} calibrations)")
+        return replace(terms, loop_step_s=loop_step_s, calibrate_s=0.0)
+    measured = measure_step_terms(device, optimizer, meshes, split=split, loop_step_s=loop_step_s)
+    busy = busy_reason(measured, device)  # the same on every rank: from gathered figures
+    if busy is not None:  # used for this launch only: a busy machine's terms stand for now, not later
+        if use_cache and dist.get_rank() == 0:
+            rank_zero_info(f"osdp: step terms not cached: {busy}; the next launch measures again")
+        return measured
+    if use_cache and dist.get_rank() == 0:
+        write_cache(path, key, [*draws, measured], keep=CACHE_DRAWS)
+    if not draws:
+        return measured
+    terms = median_terms([*draws, measured], source=f"measured at setup, median with {len(draws)} cached")
+    return replace(terms, loop_step_s=loop_step_s, calibrate_s=measured.calibrate_s)
+
+
+__all__ = ["BUSY_CPU_SHARE", "CACHE_DRAWS", "CACHE_ENV", "CACHE_FORMAT", "CACHE_MAX_AGE_S", "QUIET_CPU_SHARE",
+           "CollectiveTimings", "busy_reason", "cache_dir", "cache_file", "calibrate_step_terms", "calibration_key",
+           "clone_optimizer", "least_time_s", "measure_collectives", "measure_step_terms", "median_terms",
+           "read_cache", "write_cache"]
