@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from osdp_lightning.budget import MemoryBudget
+from osdp_lightning.budget import MemoryBudget, format_budget, format_bytes
 from osdp_lightning.choices import Choice, ChoiceOptions, choice_space
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.plan import Plan, baseline_peak_bytes, make_plan
@@ -35,6 +35,7 @@ from osdp_lightning.profile import (
     profile_lightning_module,
 )
 from osdp_lightning.unitbench import profile_from_shapes
+from osdp_lightning.units import select_units
 
 WHOLE_PROFILE_WEIGHT_COPIES = 3
 """Copies of the weights the whole-model profile holds at once (model, saved state, gradients)."""
@@ -82,6 +83,28 @@ def budget_floor_bytes(module: nn.Module, budget: MemoryBudget, device_bytes: in
 def whole_profile_fits(module: nn.Module, budget_bytes: int) -> bool:
     """Whether profiling the whole model on one device stays within ``budget_bytes``."""
     return WHOLE_PROFILE_WEIGHT_COPIES * weight_bytes(module) <= budget_bytes
+
+
+def check_setup_fits(module: nn.Module, options: ProfileOptions, budget_bytes: int) -> None:
+    """Raise before anything is placed when the budget cannot hold the profile from shapes itself:
+    one whole copy of the largest unit, with its gradients and a saved copy of its state."""
+    specs = select_units(module, options.unit_module_types, options.unit_name_patterns, options.min_unit_params)
+    sizes = {s.name: _unit_weight_bytes(module, s.module_names) for s in specs}
+    if not sizes:
+        return
+    largest = max(sizes, key=sizes.__getitem__)
+    need = WHOLE_PROFILE_WEIGHT_COPIES * sizes[largest]
+    if need > budget_bytes:
+        raise ValueError(
+            f"the memory budget ({format_budget(budget_bytes)} per rank) cannot hold even osdp's setup of this model: "
+            f"measuring its largest unit {largest!r} ({format_bytes(sizes[largest])} of weights) takes about "
+            f"{WHOLE_PROFILE_WEIGHT_COPIES}x that; give at least memory_budget='{format_budget(need)}' (training needs "
+            "more), or make the units smaller (unit_module_types=... / unit_name_patterns=...)")
+
+
+def _unit_weight_bytes(module: nn.Module, names: Sequence[str]) -> int:
+    params = {id(p): p for name in names for p in module.get_submodule(name).parameters()}  # tied: once
+    return sum(p.numel() * p.element_size() for p in params.values())
 
 
 def profile_model(module: nn.Module, batch: object, device: torch.device, options: ProfileOptions, *,

@@ -54,6 +54,7 @@ from osdp_lightning.pipeline import (
     ProfileOptions,
     SolveOptions,
     budget_floor_bytes,
+    check_setup_fits,
     profile_model,
     resolved_cluster,
     solve_plan,
@@ -362,6 +363,8 @@ class OSDPStrategy(ModelParallelStrategy):
             split_factors=self.split_factors if self.uniform_choice is None and self.world_size > 1 else (),
             check_checkpointing=self.choice_options.activation_checkpointing != "never",
             precision=str(trainer.precision))
+        if not self._profile_whole and not (self.memory_budget is not None and self.memory_budget.needs_profile):
+            check_setup_fits(module, options, self._cluster_spec().memory_budget_bytes)
         profile = profile_model(module, batch, self.root_device, options, whole=self._profile_whole,
                                 optimizer=configured_optimizer(module),
                                 step_context=self.precision_plugin.train_step_context)
