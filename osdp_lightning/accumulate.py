@@ -19,6 +19,8 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from osdp_lightning.replicate import replicate_reducer
+
 
 def check_accumulation(value: object) -> int:
     """``value`` as the number of micro-batches per optimizer step, or Lightning's own error.
@@ -34,8 +36,6 @@ def check_accumulation(value: object) -> int:
 
 def set_gradient_sync(root: nn.Module, sync: bool) -> None:
     """Turn gradient reduction of every FSDP2 unit and of the replicated parameters on or off."""
-    from osdp_lightning.replicate import replicate_reducer
-
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_requires_gradient_sync(sync, recurse=False)

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from osdp_lightning.aliases import ALIASES, BASELINES
+
 CUDA_HEADROOM_FRACTION = 0.08
 CPU_SHARE_FRACTION = 0.80
 PLAN_HEADROOM_FRACTION = 0.04
@@ -56,8 +58,9 @@ _UNITS = {
 }
 _BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 _SHARE_RE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+)\s*%\s*([a-zA-Z0-9_]*)\s*$")
-BUDGET_BASELINES = {"ddp": "replicate", "replicate": "replicate", "zero2": "zero2", "zero3": "zero3"}
-"""Baselines a budget may be a share of (``"95%ddp"``), and the uniform choice each one is."""
+_BASELINE_CHOICES = {name: ALIASES.get(name, name) for name in BASELINES}
+BUDGET_BASELINES = {**_BASELINE_CHOICES, **{choice: choice for choice in _BASELINE_CHOICES.values()}}
+"""Baselines a budget may be a share of (``"95%ddp"``, ``"95%replicate"``), and the uniform choice each one is."""
 MIN_BYTES_BUDGET = 2**20
 ACCEPTED_FORMS = ("a size with a unit such as '8GiB', '512MB', '900KiB' or '883732B', bytes as a bare number "
                   "(>= 1 MiB, e.g. 8589934592), a share of the device such as '70%', or a share of a baseline's "

@@ -19,6 +19,7 @@ from osdp_lightning.choice_table import build_choice_table
 from osdp_lightning.choices import BASE_CHOICES, REPLICATE, Choice, is_known, known_names, parse, resolve
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.cost import ChoiceTable
+from osdp_lightning.plot import plot_plan
 from osdp_lightning.profile import ModelProfile, with_parts
 from osdp_lightning.solve import (
     choice_step_s,
@@ -200,8 +201,6 @@ class Plan:
 
     def plot(self, path: str | Path, title: str | None = None) -> Path:
         """Write a picture of the plan (PNG; needs matplotlib: ``pip install osdp_lightning[plot]``)."""
-        from osdp_lightning.plot import plot_plan
-
         return plot_plan(self, path, title)
 
 

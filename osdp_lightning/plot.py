@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from osdp_lightning.aliases import baseline_name
 from osdp_lightning.budget import format_bytes
 
 if TYPE_CHECKING:
@@ -41,8 +42,6 @@ _TIME_LABELS = {"compute": "compute", "comm": "communication (not hidden)", "opt
 _CHOICE_COLORS = {"replicate": "tab:blue", "zero2": "tab:orange", "zero3": "tab:red"}
 _OTHER_COLORS = ("tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan",
                  "darkgreen", "navy", "gold", "teal", "salmon", "slategray")
-_BASELINE_STYLES = {"replicate": ("ddp", "tab:blue"), "zero2": ("zero2", "tab:orange"),
-                    "zero3": ("zero3", "tab:red")}
 _INDEX_RE = re.compile(r"\.(\d+)(?=\.|$)")
 
 
@@ -199,7 +198,7 @@ def _memory_panel(ax: Any, plan: Plan, bars: list[Bar], colors: dict[str, str]) 
         ax.axhline((plan.memory_budget_bytes - headroom) / mib, color="black", linestyle="--", linewidth=0.8)
     previous, x = None, 0.995
     for base in sorted(getattr(plan, "baselines", ()), key=lambda b: -b.peak_bytes):
-        name, color = _BASELINE_STYLES.get(base.choice, (base.choice, "gray"))
+        name, color = baseline_name(base.choice), _CHOICE_COLORS.get(base.choice, "gray")
         ax.axhline(base.peak_bytes / mib, color=color, linestyle=":", linewidth=1.2)
         # NOTE: labels of peaks close together step left instead of overprinting each other.
         close = previous is not None and previous - base.peak_bytes < 0.04 * plan.memory_budget_bytes

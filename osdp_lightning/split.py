@@ -20,7 +20,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+
+from osdp_lightning.replicate import mark_replicated
 
 DEFAULT_SPLIT_FACTORS: tuple[int, ...] = (2, 4, 8)
 
@@ -302,10 +305,6 @@ def shard_split_linear(split: SplitLinear, sharded: int, shard_mesh: Any, replic
     enclosing ``fully_shard`` call, which the caller must make afterwards (as for any FSDP2
     model). Every rank must make the same calls (same ``sharded``), or collectives deadlock.
     """
-    from torch.distributed.fsdp import fully_shard
-
-    from osdp_lightning.replicate import mark_replicated
-
     if not 0 <= sharded <= split.k:
         raise ValueError(f"sharded must be in [0, {split.k}], got {sharded}")
     if shard_mesh.ndim != 1:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from osdp_lightning.aliases import ALIASES, BASELINES
 from osdp_lightning.choices import checkpointing, groups, replicate, split, zero2, zero3
 from osdp_lightning.choices.base import (
     REGISTRY,
@@ -49,11 +50,6 @@ register_modifier(checkpointing.MODIFIER)
 
 REPLICATE, ZERO2, ZERO3 = replicate.CHOICE, zero2.CHOICE, zero3.CHOICE
 BASE_CHOICES: tuple[Choice, ...] = (REPLICATE, ZERO2, ZERO3)
-
-ALIASES: dict[str, str] = {"ddp": "replicate", "fsdp": "zero3"}
-"""The one table of names users know from Lightning's strategies."""
-BASELINES: tuple[str, ...] = ("ddp", "zero2", "zero3")
-"""The uniform plans osdp is compared with (``osdp-plan``, the benchmarks)."""
 
 
 def resolve(name: str) -> Choice:

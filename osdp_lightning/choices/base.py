@@ -17,8 +17,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
-if TYPE_CHECKING:  # NOTE: no runtime import: cost.py and apply.py import this package
+from osdp_lightning.replicate import ignored_for
+
+if TYPE_CHECKING:  # NOTE: annotations only: apply.py imports this package
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from osdp_lightning.apply import Meshes
@@ -214,10 +217,6 @@ def fully_shard_apply(kwargs: Callable[[Choice, Meshes], dict]) -> ApplyFn:
     """An apply function that calls ``fully_shard`` on the unit with ``kwargs(choice, meshes)``."""
     def apply(model: nn.Module, module_names: tuple[str, ...], choice: Choice, meshes: Meshes,
               mp_policy: MixedPrecisionPolicy) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        from osdp_lightning.replicate import ignored_for
-
         target = unit_modules(model, module_names)
         # NOTE: replicated units below this one stay plain tensors on DDP's reducer (osdp_lightning/replicate.py).
         ignored = ignored_for(target)

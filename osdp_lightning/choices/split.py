@@ -21,6 +21,7 @@ from osdp_lightning.cost import (
     reduce_scatter_s,
 )
 from osdp_lightning.profile import UnitProfile
+from osdp_lightning.split import shard_split_linear, split_linear_in_module
 from osdp_lightning.step_terms import SPLIT_REPLICATED
 
 
@@ -127,8 +128,6 @@ def space(options: ChoiceOptions, _cluster: ClusterSpec) -> tuple[Choice, ...]:
 def apply(model: nn.Module, module_names: tuple[str, ...], choice: Choice, meshes: object,
           mp_policy: MixedPrecisionPolicy) -> None:
     """Replace the Linear with a SplitLinear and shard its slices (the bias stays with the parent unit)."""
-    from osdp_lightning.split import shard_split_linear, split_linear_in_module
-
     split_module = split_linear_in_module(model, module_names[0], choice["k"])
     # NOTE: replicated slices join DDP's reducer (replicate_mesh=None), built by apply_plan at the end.
     shard_split_linear(split_module, choice["sharded"], meshes.shard, None, mp_policy)
