@@ -15,10 +15,12 @@ plan's predictions, setup seconds, a per-phase step breakdown, or why no plan fi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import pickle
 import re
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -131,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--split-factors", default="2,4,8")
     parser.add_argument("--text-file", default=None, help="training text (default: CPython's docs, parsed per run)")
     parser.add_argument("--plan", default=None, help="a saved plan JSON to apply (osdp; no profile, no solve)")
+    parser.add_argument("--meta", action="store_true",
+                        help="build the model under trainer.init_module(empty_init=True) (osdp and the hand FSDP2)")
+    parser.add_argument("--rlimit-data", type=int, default=None,
+                        help="RLIMIT_DATA of this process in bytes: an allocation past it fails (benchmarks.capacity)")
     parser.add_argument("--out", required=True)
     return parser
 
@@ -154,9 +160,12 @@ def run(args: argparse.Namespace) -> tuple[L.Trainer, dict[str, Any]]:
     config = GPTConfig(vocab_size=args.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd, dropout=0.0)
     data = GPTDataModule(seq_len=args.seq_len, batch_size=args.batch_size, text_files=args.text_file)
-    module = HAND_MODULES.get(args.method, GPTLitModule)(GPT(config))
     summary, phases = TrainingSummary(tokens_per_sample=data.tokens_per_sample, module_memory=True), PhaseTimer()
     trainer = build_trainer(args, [summary, phases])
+    # NOTE: Lightning's DDP cannot start from the meta device; every other method can.
+    meta = args.meta and args.method != "ddp"
+    with trainer.init_module(empty_init=True) if meta else contextlib.nullcontext():
+        module = HAND_MODULES.get(args.method, GPTLitModule)(GPT(config))
     record: dict[str, Any] = {"method": args.method, "budget_bytes": args.budget,
                               "param_count": sum(p.numel() for p in module.parameters())}
     try:
@@ -193,6 +202,16 @@ def _lightning_record(trainer: L.Trainer, record: dict[str, Any], summary: Train
     return record
 
 
+def process_memory() -> dict[str, int]:
+    """This process's resident high-water mark and data segment (``VmHWM``, ``VmData``) in bytes."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmData"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
 def _choice_counts(plan: osdp_lightning.Plan) -> dict[str, int]:
     counts: dict[str, int] = {}
     for unit in plan.units:
@@ -219,7 +238,10 @@ def main() -> None:
     # handler destroys the group and frees them while the interpreter is alive, not in its
     # finalization (one hand-FSDP2 run of 21 ended in SIGABRT after a finished fit before the handler did this).
     release_at_exit()
+    if args.rlimit_data is not None:
+        resource.setrlimit(resource.RLIMIT_DATA, (args.rlimit_data, args.rlimit_data))
     trainer, record = run(args)
+    record["process"] = process_memory()
     if trainer.global_rank == 0:
         Path(args.out).write_text(json.dumps(record, indent=1, default=str) + "\n")
         _save_pricing(trainer, Path(args.out).with_suffix(".pkl"))

@@ -1,0 +1,145 @@
+"""The largest GPT each strategy trains under one enforced per-rank memory limit, and how fast.
+
+    ./dev bench capacity [--limit 480MiB] [--layers 2,4,6,8,10,12] [--methods ddp,fsdp2,fsdp2-ckpt,osdp]
+
+For one width (``--n-embd``, default 768) and more and more layers, every method trains a few
+steps on 2 ranks (:mod:`benchmarks.compare_worker`), each rank under ``RLIMIT_DATA`` = the limit
+plus the fixed cost of a process (interpreter, torch, Lightning, gloo, calibration: the data
+segment of a 1-layer, 64-wide GPT trained the same way, measured first). An allocation past the
+limit fails, and so does the run. Methods: Lightning's ``strategy="ddp"``, FSDP2 by hand on every
+block (``fsdp2``) and with activation checkpointing on every block (``fsdp2-ckpt``), and osdp at
+the limit as its budget; the hand FSDP2 and osdp build the model on the meta device (Lightning's
+way for large models), DDP cannot. A method stops at its first size that fails. Writes
+``capacity.md`` and ``capacity.json`` into ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.compare import load_average, source_commit
+from benchmarks.launch import run_ranks
+from osdp_lightning.budget import format_bytes, parse_bytes
+
+METHODS = ("ddp", "fsdp2", "fsdp2-ckpt", "osdp")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limit", default="480MiB", help="per-rank memory limit (and osdp's budget)")
+    parser.add_argument("--layers", default="2,4,6,8,10,12", help="sizes to try, ascending")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--n-embd", type=int, default=768)
+    parser.add_argument("--n-head", type=int, default=12)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--run-timeout-s", type=float, default=900.0)
+    parser.add_argument("--out-dir", default="bench_out/capacity")
+    return parser.parse_args(argv)
+
+
+def worker(method: str, layers: int, n_embd: int, n_head: int, args: argparse.Namespace, work: Path,
+           rlimit: int | None, budget: int | None) -> dict[str, Any]:
+    """One run on 2 ranks; its record (``status`` ok, infeasible, or failed with the log's tail)."""
+    name = f"{method}_{layers}x{n_embd}"
+    out = work / f"{name}.json"
+    cmd = [sys.executable, "-m", "benchmarks.compare_worker", "--method", method, "--n-layer", str(layers),
+           "--n-embd", str(n_embd), "--n-head", str(n_head), "--seq-len", str(args.seq_len),
+           "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--meta", "--out", str(out)]
+    cmd += ["--budget", str(budget)] if budget is not None and method == "osdp" else []
+    cmd += ["--rlimit-data", str(rlimit)] if rlimit is not None else []
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OSDP_LIGHTNING_CACHE_DIR": str(work / "calibration"),
+           "MALLOC_ARENA_MAX": "2"}
+    start = time.monotonic()
+    code = run_ranks(cmd, work / f"{name}.log", args.run_timeout_s, env=env)
+    wall_s = time.monotonic() - start
+    if code == 0 and out.exists():
+        return {**json.loads(out.read_text()), "wall_s": wall_s}
+    tail = (work / f"{name}.log").read_text()[-1500:]
+    return {"status": "failed", "code": code, "log_tail": tail, "wall_s": wall_s}
+
+
+def fixed_cost_bytes(args: argparse.Namespace, work: Path) -> int:
+    """The data segment of a process that trains a tiny GPT: what every rank needs besides the model."""
+    costs = []
+    for method in ("ddp", "osdp"):
+        record = worker(method, 1, 64, 4, args, work, None, None)
+        if record.get("status") != "ok":
+            raise RuntimeError(f"the fixed-cost run ({method}) failed: {record.get('log_tail', record)}")
+        costs.append(record["process"]["VmData"])
+    return max(costs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = Path(args.out_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    limit = parse_bytes(args.limit)
+    fixed = fixed_cost_bytes(args, work)
+    print(f"fixed cost (data segment of a tiny run): {format_bytes(fixed)}; RLIMIT_DATA per rank: "
+          f"{format_bytes(limit + fixed)}", flush=True)
+    sizes = [int(x) for x in args.layers.split(",")]
+    results: dict[str, dict[int, dict[str, Any]]] = {}
+    for method in args.methods.split(","):
+        results[method] = {}
+        for layers in sizes:
+            record = worker(method, layers, args.n_embd, args.n_head, args, work, limit + fixed, limit)
+            results[method][layers] = record
+            print(f"{method:11s} {layers:3d} layers: {describe(record)}", flush=True)
+            if record.get("status") != "ok":
+                break
+    report = {"limit_bytes": limit, "fixed_cost_bytes": fixed, "args": vars(args), "commit": source_commit(),
+              "load_average": load_average(), "results": results}
+    (work / "capacity.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (work / "capacity.md").write_text(format_report(report, sizes))
+    print(format_report(report, sizes))
+    return 0
+
+
+def describe(record: dict[str, Any]) -> str:
+    if record.get("status") == "ok":
+        s = record["summary"]
+        return (f"{s['tokens_per_s']:.0f} tokens/s, tracked peak {format_bytes(s['peak_bytes'])}, "
+                f"process HWM {format_bytes(record['process']['VmHWM'])}")
+    if record.get("status") == "infeasible":
+        return "no plan fits (osdp refused before training)"
+    lines = [line for line in record.get("log_tail", "").splitlines() if "Error" in line or "error" in line]
+    return f"failed ({lines[-1].strip()[:120] if lines else record.get('code')})"
+
+
+def format_report(report: dict[str, Any], sizes: list[int]) -> str:
+    results = report["results"]
+    header = "| layers | params | " + " | ".join(results) + " |"
+    rows = [header, "|" + "---|" * (len(results) + 2)]
+    for layers in sizes:
+        params = next((r[layers]["param_count"] for r in results.values() if layers in r and "param_count" in r[layers]),
+                      None)
+        cells = []
+        for method in results:
+            record = results[method].get(layers)
+            if record is None:
+                cells.append("-")
+            elif record.get("status") == "ok":
+                cells.append(f"{record['summary']['tokens_per_s']:.0f} tok/s")
+            else:
+                cells.append("infeasible" if record.get("status") == "infeasible" else "fails")
+        rows.append(f"| {layers} | {params / 1e6:.1f}M | " + " | ".join(cells) + " |" if params else
+                    f"| {layers} | ? | " + " | ".join(cells) + " |")
+    largest = {m: max((n for n, r in res.items() if r.get("status") == "ok"), default=0) for m, res in results.items()}
+    return "\n".join([
+        f"# Capacity at {format_bytes(report['limit_bytes'])} per rank (RLIMIT_DATA = limit + fixed cost "
+        f"{format_bytes(report['fixed_cost_bytes'])})", "",
+        f"commit {report['commit']}, load average {report['load_average']}, args {report['args']}", "",
+        *rows, "", "largest trained: " + ", ".join(f"{m} {n} layers" for m, n in largest.items()),
+        "throughput: median step after warm-up, one run per cell (tokens/s over both ranks)", ""])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
