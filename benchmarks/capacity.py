@@ -1,11 +1,11 @@
 """The largest GPT each strategy trains under one enforced per-rank memory limit, and how fast.
 
-    ./dev bench capacity [--limit 480MiB] [--layers 2,4,6,8,10,12] [--methods ddp,fsdp2,fsdp2-ckpt,osdp]
+    ./dev bench capacity [--limit 480MiB] [--layers 2,3,4,5,6,8,10] [--methods ddp,fsdp2,fsdp2-ckpt,osdp]
 
 For one width (``--n-embd``, default 768) and more and more layers, every method trains a few
 steps on 2 ranks (:mod:`benchmarks.compare_worker`), each rank under ``RLIMIT_DATA`` = the limit
-plus the fixed cost of a process (interpreter, torch, Lightning, gloo, calibration: the data
-segment of a 1-layer, 64-wide GPT trained the same way, measured first). An allocation past the
+plus the method's fixed cost (interpreter, torch, Lightning, gloo, calibration: the data segment
+of a 1-layer, 64-wide GPT trained the same way, measured first). An allocation past the
 limit fails, and so does the run. Methods: Lightning's ``strategy="ddp"``, FSDP2 by hand on every
 block (``fsdp2``) and with activation checkpointing on every block (``fsdp2-ckpt``), and osdp at
 the limit as its budget; the hand FSDP2 and osdp build the model on the meta device (Lightning's
@@ -33,7 +33,7 @@ METHODS = ("ddp", "fsdp2", "fsdp2-ckpt", "osdp")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", default="480MiB", help="per-rank memory limit (and osdp's budget)")
-    parser.add_argument("--layers", default="2,4,6,8,10,12", help="sizes to try, ascending")
+    parser.add_argument("--layers", default="2,3,4,5,6,8,10", help="sizes to try, ascending")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--n-embd", type=int, default=768)
     parser.add_argument("--n-head", type=int, default=12)
@@ -55,8 +55,10 @@ def worker(method: str, layers: int, n_embd: int, n_head: int, args: argparse.Na
            "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--meta", "--out", str(out)]
     cmd += ["--budget", str(budget)] if budget is not None and method == "osdp" else []
     cmd += ["--rlimit-data", str(rlimit)] if rlimit is not None else []
+    # NOTE: large tensors from mmap (MALLOC_MMAP_THRESHOLD_) go back to the system when freed; from the heap
+    # they would stay in the data segment that RLIMIT_DATA counts.
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OSDP_LIGHTNING_CACHE_DIR": str(work / "calibration"),
-           "MALLOC_ARENA_MAX": "2"}
+           "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "65536"}
     start = time.monotonic()
     code = run_ranks(cmd, work / f"{name}.log", args.run_timeout_s, env=env)
     wall_s = time.monotonic() - start
@@ -66,15 +68,13 @@ def worker(method: str, layers: int, n_embd: int, n_head: int, args: argparse.Na
     return {"status": "failed", "code": code, "log_tail": tail, "wall_s": wall_s}
 
 
-def fixed_cost_bytes(args: argparse.Namespace, work: Path) -> int:
-    """The data segment of a process that trains a tiny GPT: what every rank needs besides the model."""
-    costs = []
-    for method in ("ddp", "osdp"):
-        record = worker(method, 1, 64, 4, args, work, None, None)
-        if record.get("status") != "ok":
-            raise RuntimeError(f"the fixed-cost run ({method}) failed: {record.get('log_tail', record)}")
-        costs.append(record["process"]["VmData"])
-    return max(costs)
+def fixed_cost_bytes(method: str, args: argparse.Namespace, work: Path) -> int:
+    """The data segment of a process that trains a tiny GPT with ``method``: what each of its ranks
+    needs besides the model (interpreter, torch, Lightning, gloo, the method's own machinery)."""
+    record = worker(method, 1, 64, 4, args, work, None, None)
+    if record.get("status") != "ok":
+        raise RuntimeError(f"the fixed-cost run ({method}) failed: {record.get('log_tail', record)}")
+    return int(record["process"]["VmData"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,15 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.out_dir)
     work.mkdir(parents=True, exist_ok=True)
     limit = parse_bytes(args.limit)
-    fixed = fixed_cost_bytes(args, work)
-    print(f"fixed cost (data segment of a tiny run): {format_bytes(fixed)}; RLIMIT_DATA per rank: "
-          f"{format_bytes(limit + fixed)}", flush=True)
     sizes = [int(x) for x in args.layers.split(",")]
     results: dict[str, dict[int, dict[str, Any]]] = {}
+    fixed: dict[str, int] = {}
     for method in args.methods.split(","):
+        fixed[method] = fixed_cost_bytes(method, args, work)
+        print(f"{method}: fixed cost (data segment of a tiny run) {format_bytes(fixed[method])}, RLIMIT_DATA "
+              f"per rank {format_bytes(limit + fixed[method])}", flush=True)
         results[method] = {}
         for layers in sizes:
-            record = worker(method, layers, args.n_embd, args.n_head, args, work, limit + fixed, limit)
+            record = worker(method, layers, args.n_embd, args.n_head, args, work, limit + fixed[method], limit)
             results[method][layers] = record
             print(f"{method:11s} {layers:3d} layers: {describe(record)}", flush=True)
             if record.get("status") != "ok":
@@ -134,8 +135,9 @@ def format_report(report: dict[str, Any], sizes: list[int]) -> str:
                     f"| {layers} | ? | " + " | ".join(cells) + " |")
     largest = {m: max((n for n, r in res.items() if r.get("status") == "ok"), default=0) for m, res in results.items()}
     return "\n".join([
-        f"# Capacity at {format_bytes(report['limit_bytes'])} per rank (RLIMIT_DATA = limit + fixed cost "
-        f"{format_bytes(report['fixed_cost_bytes'])})", "",
+        f"# Capacity at {format_bytes(report['limit_bytes'])} per rank", "",
+        "RLIMIT_DATA per rank = the limit + the method's fixed cost (data segment of a 1 x 64 GPT run): "
+        + ", ".join(f"{m} {format_bytes(b)}" for m, b in report["fixed_cost_bytes"].items()), "",
         f"commit {report['commit']}, load average {report['load_average']}, args {report['args']}", "",
         *rows, "", "largest trained: " + ", ".join(f"{m} {n} layers" for m, n in largest.items()),
         "throughput: median step after warm-up, one run per cell (tokens/s over both ranks)", ""])

@@ -26,8 +26,8 @@ import osdp_lightning  # noqa: F401
 from osdp_lightning import ClusterSpec, OSDPStrategy, TrainingSummary, format_bytes, make_plan
 from osdp_lightning.apply import apply_plan, build_meshes
 from osdp_lightning.choices import BASE_CHOICES
+from osdp_lightning.measure import profile_lightning_module
 from osdp_lightning.plan import InfeasibleBudgetError, Plan
-from osdp_lightning.profile import profile_lightning_module
 from osdp_lightning.strategy import _RootWrapper
 
 

@@ -220,7 +220,7 @@ def real_setup(model: str) -> tuple[ModelProfile, ClusterSpec, tuple[Choice, ...
 
 def real_rows(models: tuple[str, ...], cbc_cap_s: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Solver rows of each model's table, and the whole make_plan calls of the targets."""
-    from osdp_lightning.cli.plan import _batch_candidates
+    from osdp_lightning.pipeline import batch_candidates
 
     rows, plans = [], []
     for model in models:
@@ -230,7 +230,7 @@ def real_rows(models: tuple[str, ...], cbc_cap_s: float) -> tuple[list[dict[str,
         budgets = [("cluster", cluster.usable_bytes), ("+5%", smallest + (cluster.usable_bytes - smallest) // 20)]
         rows += solver_rows(model, table, budgets, cbc_cap_s)
         for batch in ("data", "auto") if model == "gpt_xl" else ("data",) if model == "gpt_small" else ():
-            candidates = _batch_candidates(profile, "auto" if batch == "auto" else None)
+            candidates = batch_candidates(profile, "auto" if batch == "auto" else None)
             plans.append({"model": model, "micro_batch": batch,
                           **timed_make_plan(profile, cluster, candidates, choices, cfg.strategy.solver_time_limit_s)})
             print(format_plans(plans[-1:], header=False), flush=True)

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from osdp_lightning.profile import _logging_disabled, _loss_runner, preserved_rng
+from osdp_lightning.profile import logging_disabled, loss_runner, preserved_rng
 from osdp_lightning.recorder import StepRecorder, storage_key, storage_of
 from osdp_lightning.units import ROOT, UnitSpec
 
@@ -109,7 +109,7 @@ def step_runner(module: nn.Module, batch: object, precision: str = "32-true") ->
         return torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
 
     if hasattr(module, "training_step"):
-        return _loss_runner(module, batch, context)
+        return loss_runner(module, batch, context)
 
     def run_forward() -> torch.Tensor:
         with context():
@@ -183,7 +183,7 @@ class FakeStep:
 
 def run_fake_step(module: nn.Module, specs: Sequence[UnitSpec], run_loss: Callable[[], torch.Tensor]) -> FakeStep:
     recorder = StepRecorder(module, specs)
-    with preserved_rng(), _logging_disabled(module), recorder.installed():
+    with preserved_rng(), logging_disabled(module), recorder.installed():
         with FlopCounterMode(display=False, custom_mapping=_CPU_SDPA_FLOPS) as counter:
             _name_modules_for(counter, module)
             with _BackwardFlops(module, specs, counter.get_total_flops, recorder.nested).calls() as backward:
@@ -350,7 +350,7 @@ def activation_peak(module: nn.Module, run_loss: Callable[[], torch.Tensor], spe
     """Bytes of one fake forward+backward that are neither parameters nor gradients at the step's
     peak, less the largest gradient (the one in flight), as the measured profile counts them; and
     per unit of ``specs`` the most bytes its backward added above what was alive when it started."""
-    with preserved_rng(), _logging_disabled(module):
+    with preserved_rng(), logging_disabled(module):
         tracker = _tracked_step(module, run_loss, specs)
     largest_grad = max((p.numel() * p.element_size() for p in module.parameters() if p.requires_grad), default=0)
     return max(tracker.at_peak - largest_grad, 0), tracker.rises
@@ -403,7 +403,7 @@ def activation_bytes_of(module: nn.Module, specs: Sequence[UnitSpec], run_loss: 
     """What the measured profile calls activation bytes: those saved for backward, or the peak of
     activations and backward temporaries if that is larger."""
     recorder = StepRecorder(module, specs)
-    with preserved_rng(), _logging_disabled(module), recorder.installed():
+    with preserved_rng(), logging_disabled(module), recorder.installed():
         run_loss()
     return max(sum(recorder.saved_bytes.values()), activation_peak(module, run_loss)[0])
 

@@ -25,17 +25,15 @@ from torch import nn
 from osdp_lightning.budget import MemoryBudget, format_budget, format_bytes
 from osdp_lightning.choices import Choice, ChoiceOptions, choice_space
 from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.measure import measure_split_overheads, profile_lightning_module
 from osdp_lightning.plan import Plan, baseline_peak_bytes, make_plan
 from osdp_lightning.profile import (
-    DEFAULT_MIN_UNIT_PARAMS,
     ModelProfile,
     configured_optimizer,
-    measure_split_overheads,
     optimizer_state_bytes_per_param,
-    profile_lightning_module,
 )
 from osdp_lightning.unitbench import profile_from_shapes
-from osdp_lightning.units import select_units
+from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS, select_units
 
 WHOLE_PROFILE_WEIGHT_COPIES = 3
 """Copies of the weights the whole-model profile holds at once (model, saved state, gradients)."""

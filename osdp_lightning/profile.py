@@ -14,14 +14,14 @@ import inspect
 import random
 import statistics
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from osdp_lightning.recorder import StepRecorder
-from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS, ROOT, UnitSpec, owned_params, select_units
+from osdp_lightning.units import ROOT, UnitSpec, owned_params
 
 
 @dataclass(frozen=True)
@@ -428,66 +428,7 @@ def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer, dtype: tor
 # ---------------------------------------------------------------------------------------------
 # LightningModule entry point
 # ---------------------------------------------------------------------------------------------
-def profile_lightning_module(module: nn.Module, batch: object | None = None, *,
-                             micro_batch_size: int | None = None,
-                             unit_module_types: Sequence[str | type] | None = None,
-                             unit_name_patterns: Sequence[str] | None = None,
-                             min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS,
-                             optimizer: torch.optim.Optimizer | None = None,
-                             step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                             repeats: int = 3, check_checkpointing: bool = True) -> ModelProfile:
-    """Profile a LightningModule's real training computation on ``batch``.
-
-    Runs ``training_step(batch, 0)`` plus backward; with ``batch=None`` runs
-    ``forward(example_input_array)`` and backpropagates the sum of its output.
-    ``check_checkpointing``: also run it with the units checkpointed and record, per unit, why one
-    cannot be (:func:`with_checkpoint_refusals`).
-    """
-    start = time.perf_counter()
-    if not any(p.requires_grad for p in module.parameters()):
-        raise ValueError(f"{type(module).__name__} has no trainable parameters: there is nothing to shard "
-                         "or train; unfreeze some parameters (requires_grad=True).")
-    specs = select_units(module, unit_module_types, unit_name_patterns, min_unit_params)
-    device = next(module.parameters()).device
-    run_loss = _loss_runner(module, batch, step_context)
-    with _logging_disabled(module):
-        units, activation_bytes, step_s = measure_units(module, specs, run_loss, device, repeats)
-        if check_checkpointing:
-            units = with_checkpoint_refusals(module, units, run_loss)
-    dtype = next(p for p in module.parameters() if p.requires_grad).dtype
-    elem = torch.empty((), dtype=dtype).element_size()
-    inputs = batch if batch is not None else getattr(module, "example_input_array", None)
-    return ModelProfile(
-        units=tuple(units), micro_batch_size=micro_batch_size or batch_size_of(inputs),
-        param_bytes_per_element=elem, grad_bytes_per_element=elem, compute_bytes_per_element=elem,
-        reduce_bytes_per_element=elem,
-        optimizer_bytes_per_param=optimizer_state_bytes_per_param(optimizer, dtype) if optimizer else 0,
-        activation_bytes=activation_bytes, fixed_bytes=tensor_bytes(inputs), step_s=step_s,
-        profile_s=time.perf_counter() - start)
-
-
-def with_checkpoint_refusals(root: nn.Module, units: Sequence[UnitProfile], run_loss: Callable[[], torch.Tensor]
-                             ) -> list[UnitProfile]:
-    """``units`` with :attr:`UnitProfile.checkpoint_refusal` set on each unit (or part) whose
-    checkpointed step fails (:func:`osdp_lightning.choices.checkpointing.find_unreplayable`: one
-    step with every unit checkpointed, one with every part, one more per unit refused)."""
-    # NOTE: imported here: the choices import this module
-    from osdp_lightning.choices.checkpointing import find_unreplayable
-
-    def candidates(group: Iterable[UnitProfile]) -> dict[str, tuple[str, ...]]:
-        return {u.name: u.module_names for u in group if u.name != ROOT and u.input_bytes > 0}
-
-    with preserved_state(root):
-        refused = find_unreplayable(root, (candidates(units), candidates(p for u in units for p in u.parts)),
-                                    run_loss)
-
-    def with_refusal(unit: UnitProfile) -> UnitProfile:
-        return dataclasses.replace(unit, checkpoint_refusal=refused.get(unit.name, ""),
-                                   parts=tuple(with_refusal(p) for p in unit.parts))
-    return [with_refusal(u) for u in units]
-
-
-def _loss_runner(module: nn.Module, batch: object | None,
+def loss_runner(module: nn.Module, batch: object | None,
                  step_context: Callable[[], contextlib.AbstractContextManager]) -> Callable[[], torch.Tensor]:
     if batch is None:
         example = getattr(module, "example_input_array", None)
@@ -539,7 +480,7 @@ def _profiling() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _logging_disabled(module: nn.Module) -> Iterator[None]:
+def logging_disabled(module: nn.Module) -> Iterator[None]:
     """Drop ``self.log`` calls made while profiling (the metrics must not see profiling steps)."""
     patched = [name for name in ("log", "log_dict") if hasattr(module, name)]
     for name in patched:
@@ -569,50 +510,3 @@ def batch_size_of(batch: object) -> int:
     """Samples in ``batch``: the first dimension of its first tensor (1 when there is none)."""
     tensors = _tensors(batch)
     return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else 1
-
-
-def measure_split_overheads(module: nn.Module, batch: object | None, profile: ModelProfile,
-                            factors: Sequence[int],
-                            step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                            ) -> ModelProfile:
-    """Add the measured cost of splitting each Linear unit into ``k`` slices (k in ``factors``).
-
-    Captures each Linear unit's real input during one forward, then times the split layer
-    against the plain one on that input (k smaller matmuls and a sum are not free on CPU).
-    """
-    from osdp_lightning.split import measure_split_overhead_s
-
-    linear_units = [u for u in _with_nested(profile.units) if u.linear_shape is not None]
-    if not linear_units:
-        return profile
-    inputs: dict[str, torch.Tensor] = {}
-    handles = [module.get_submodule(u.module_names[0]).register_forward_pre_hook(
-        lambda _m, args, name=u.name: inputs.setdefault(name, args[0].detach())) for u in linear_units]
-    run_loss = _loss_runner(module, batch, step_context)
-    try:
-        with preserved_state(module), _logging_disabled(module), torch.no_grad():
-            run_loss()
-    finally:
-        for h in handles:
-            h.remove()
-    measured: dict[tuple, tuple[tuple[int, float], ...]] = {}
-
-    def with_overhead(unit: UnitProfile) -> UnitProfile:
-        if unit.parts:
-            return dataclasses.replace(unit, parts=tuple(with_overhead(p) for p in unit.parts))
-        valid = [k for k in factors if unit.linear_shape is not None and unit.linear_shape[1] % k == 0]
-        if unit.name not in inputs or not valid:
-            return unit
-        linear = module.get_submodule(unit.module_names[0])
-        x = inputs[unit.name]
-        # Layers of one shape fed inputs of one shape cost the same: time each kind once.
-        key = (unit.linear_shape, linear.bias is not None, tuple(x.shape), x.dtype)
-        if key not in measured:
-            with preserved_rng(), step_context():
-                measured[key] = tuple((k, max(measure_split_overhead_s(linear, x, k), 0.0)) for k in valid)
-        return dataclasses.replace(unit, split_overhead_s=measured[key])
-    return dataclasses.replace(profile, units=tuple(with_overhead(u) for u in profile.units))
-
-
-def _with_nested(units: Sequence[UnitProfile]) -> list[UnitProfile]:
-    return [n for u in units for n in (u, *u.parts)]

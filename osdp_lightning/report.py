@@ -14,10 +14,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from osdp_lightning.aliases import baseline_name
 from osdp_lightning.budget import format_bytes
 from osdp_lightning.plan import Plan
 
-BASELINE_NAMES = {"replicate": "ddp", "zero2": "zero2", "zero3": "zero3"}
 PREFIX = "osdp/"
 
 
@@ -32,12 +32,12 @@ def format_comparison(plan: Plan) -> str:
              f"{plan.predicted_step_s:>9.4f} {'1.00x':>19}"]
     for base in plan.baselines:
         speed = plan.predicted_step_s / base.step_s if base.step_s > 0 else float("nan")
-        lines.append(f"  {BASELINE_NAMES.get(base.choice, base.choice):<6} {'yes' if base.fits else 'NO':<5} "
+        lines.append(f"  {baseline_name(base.choice):<6} {'yes' if base.fits else 'NO':<5} "
                      f"{format_bytes(base.peak_bytes):>11} {base.step_s:>9.4f} {speed:>18.2f}x")
     fitting = [b for b in plan.baselines if b.fits]
     if fitting:
         best = min(fitting, key=lambda b: b.step_s)
-        name = BASELINE_NAMES.get(best.choice, best.choice)
+        name = baseline_name(best.choice)
         lines.append(f"  best baseline that fits: {name}; osdp is predicted {best.step_s / plan.predicted_step_s:.2f}x "
                      f"its throughput")
     else:
@@ -58,7 +58,7 @@ def plan_hyperparameters(plan: Plan) -> dict[str, Any]:
         "solver_status": plan.solver_status, "source": plan.source,
     }
     for base in plan.baselines:
-        name = BASELINE_NAMES.get(base.choice, base.choice)
+        name = baseline_name(base.choice)
         params.update({f"{name}_predicted_peak_bytes": base.peak_bytes, f"{name}_predicted_step_s": base.step_s,
                        f"{name}_fits": base.fits})
     return {PREFIX + key: value for key, value in params.items()}

@@ -62,7 +62,6 @@ from osdp_lightning.pipeline import (
 )
 from osdp_lightning.plan import Plan
 from osdp_lightning.profile import (
-    DEFAULT_MIN_UNIT_PARAMS,
     ModelProfile,
     configured_optimizer,
     is_profiling,
@@ -72,6 +71,7 @@ from osdp_lightning.replicate import build_replicate_reducer
 from osdp_lightning.report import format_comparison, log_plan
 from osdp_lightning.shutdown import release_at_exit
 from osdp_lightning.step_terms import StepTerms, default_loop_step_s
+from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS
 
 
 class _RootWrapper(nn.Module):

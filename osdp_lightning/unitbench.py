@@ -35,15 +35,14 @@ from torch.utils._pytree import tree_map_only
 
 from osdp_lightning.estimate import estimate_profile
 from osdp_lightning.fakestep import build_fake_module, build_meta_module, fake_batch, fake_mode, step_runner
+from osdp_lightning.measure import measure_split_overheads, with_checkpoint_refusals
 from osdp_lightning.profile import (
     ModelProfile,
     UnitProfile,
-    _logging_disabled,
-    _loss_runner,
-    measure_split_overheads,
+    logging_disabled,
+    loss_runner,
     measure_units,
     preserved_rng,
-    with_checkpoint_refusals,
 )
 from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS, UnitSpec, select_units
 
@@ -116,7 +115,7 @@ def record_unit_calls(template: nn.Module, batch: object, specs: Sequence[UnitSp
     handles = [fake.get_submodule(s.module_names[0]).register_forward_pre_hook(recorder(s.name), with_kwargs=True)
                for s in specs if len(s.module_names) == 1]
     try:
-        with mode, preserved_rng(), _logging_disabled(fake):
+        with mode, preserved_rng(), logging_disabled(fake):
             step_runner(fake, inputs, precision)()
     finally:
         for handle in handles:
@@ -167,7 +166,7 @@ def measure_unit(template: nn.Module, spec: UnitSpec, call: tuple[tuple, dict], 
             for t in chain(unit.parameters(), unit.buffers()):
                 t.normal_(0.0, 0.02) if t.is_floating_point() else t.zero_()
         bench = _UnitBench(unit, tree_map_only(InputSpec, lambda s: _random_input(s, device), call))
-    run_loss = _loss_runner(bench, None, step_context)
+    run_loss = loss_runner(bench, None, step_context)
     renamed = _renamed(spec, prefix)
     try:
         units, _, _ = measure_units(bench, [renamed], run_loss, device, repeats)

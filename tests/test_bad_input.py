@@ -24,7 +24,7 @@ from hydra.errors import MissingConfigException
 from osdp_lightning import InfeasibleBudgetError, OSDPStrategy, PlanMismatchError, make_plan, solvers
 from osdp_lightning.choice_table import build_choice_table
 from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.profile import profile_lightning_module
+from osdp_lightning.measure import profile_lightning_module
 from osdp_lightning.solve import SolverUnavailableError, smallest_feasible_budget
 from osdp_lightning.split import SplitLinear, split_linear_in_module
 from osdp_lightning.units import select_units

@@ -27,8 +27,8 @@ from osdp_lightning.budget import (
 )
 from osdp_lightning.cli.common import cluster_spec
 from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.measure import profile_lightning_module
 from osdp_lightning.plan import InfeasibleBudgetError, baseline_peak_bytes, make_plan
-from osdp_lightning.profile import profile_lightning_module
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from toy_models import MLP  # noqa: E402

@@ -21,8 +21,9 @@ from osdp_lightning.choices import ChoiceOptions, choice_cost, choice_space, par
 from osdp_lightning.choices.checkpointing import checkpoint_module, refusal_message  # noqa: E402
 from osdp_lightning.cluster import ClusterSpec  # noqa: E402
 from osdp_lightning.cost import CostContext  # noqa: E402
+from osdp_lightning.measure import profile_lightning_module  # noqa: E402
 from osdp_lightning.plan import InfeasibleBudgetError, make_plan  # noqa: E402
-from osdp_lightning.profile import ModelProfile, UnitProfile, profile_lightning_module  # noqa: E402
+from osdp_lightning.profile import ModelProfile, UnitProfile  # noqa: E402
 
 P = 10_000
 UNIT = UnitProfile("block", ("block",), P, 0, forward_s=0.01, backward_s=0.02, activation_bytes=50_000,

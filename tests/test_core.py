@@ -25,12 +25,12 @@ from osdp_lightning.choice_table import build_choice_table  # noqa: E402
 from osdp_lightning.choices import choice_cost  # noqa: E402
 from osdp_lightning.cluster import ClusterSpec  # noqa: E402
 from osdp_lightning.cost import CostContext, all_reduce_s  # noqa: E402
+from osdp_lightning.measure import profile_lightning_module  # noqa: E402
 from osdp_lightning.plan import InfeasibleBudgetError  # noqa: E402
 from osdp_lightning.profile import (  # noqa: E402
     ModelProfile,
     UnitProfile,
     optimizer_state_bytes_per_param,
-    profile_lightning_module,
 )
 from osdp_lightning.units import select_units  # noqa: E402
 

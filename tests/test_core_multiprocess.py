@@ -17,7 +17,7 @@ from toy_models import MODELS  # noqa: E402
 
 from osdp_lightning.choice_table import build_choice_table  # noqa: E402
 from osdp_lightning.cluster import ClusterSpec  # noqa: E402
-from osdp_lightning.profile import profile_lightning_module  # noqa: E402
+from osdp_lightning.measure import profile_lightning_module  # noqa: E402
 from osdp_lightning.solve import peak_bytes, smallest_feasible_budget  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess

@@ -26,7 +26,7 @@ from osdp_lightning.dryrun import (  # noqa: E402
     estimate_profile,
     format_dry_run,
 )
-from osdp_lightning.profile import profile_lightning_module  # noqa: E402
+from osdp_lightning.measure import profile_lightning_module  # noqa: E402
 
 PEAK = 1e12
 SECONDS_PER_FLOP = 1 / (PEAK * DEFAULT_COMPUTE_EFFICIENCY)

@@ -19,8 +19,9 @@ from toy_models import MLP, HuggingFaceLM, TiedLM, TorchTransformer  # noqa: E40
 
 from osdp_lightning.choice_table import build_choice_table  # noqa: E402
 from osdp_lightning.cluster import ClusterSpec  # noqa: E402
+from osdp_lightning.measure import profile_lightning_module  # noqa: E402
 from osdp_lightning.plan import fixed_plan, make_plan, root_folds, unit_sets  # noqa: E402
-from osdp_lightning.profile import profile_lightning_module, with_parts, with_units  # noqa: E402
+from osdp_lightning.profile import with_parts, with_units  # noqa: E402
 from osdp_lightning.solve import smallest_feasible_budget  # noqa: E402
 from osdp_lightning.units import ROOT, find_blocks, select_units, unit_param_counts  # noqa: E402
 

@@ -17,7 +17,7 @@ from toy_models import TiedLM  # noqa: E402
 from osdp_lightning.choice_table import build_choice_table  # noqa: E402
 from osdp_lightning.cluster import ClusterSpec  # noqa: E402
 from osdp_lightning.cost import ChoiceCost  # noqa: E402
-from osdp_lightning.profile import profile_lightning_module  # noqa: E402
+from osdp_lightning.measure import profile_lightning_module  # noqa: E402
 from osdp_lightning.solve import moment_bytes, peak_bytes, solve_choice_table  # noqa: E402
 from osdp_lightning.units import ROOT  # noqa: E402
 

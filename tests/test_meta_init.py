@@ -23,8 +23,8 @@ from osdp_lightning.recipes.gpt import GPT, GPTLitModule  # noqa: E402
 from osdp_lightning.budget import parse_memory_budget  # noqa: E402
 from osdp_lightning.fakestep import build_meta_module  # noqa: E402
 from osdp_lightning.materialize import UninitializedModuleError, has_meta_tensors, materialize  # noqa: E402
+from osdp_lightning.measure import profile_lightning_module  # noqa: E402
 from osdp_lightning.pipeline import ProfileOptions, budget_floor_bytes, check_setup_fits, whole_profile_fits  # noqa: E402
-from osdp_lightning.profile import profile_lightning_module  # noqa: E402
 from osdp_lightning.unitbench import UnitMeasureError, profile_from_shapes  # noqa: E402
 
 STEPS = 6

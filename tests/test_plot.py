@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.measure import profile_lightning_module
 from osdp_lightning.plan import BaselinePrediction, Plan, UnitPlan, make_plan
 from osdp_lightning.plot import group_units, try_plot_plan
-from osdp_lightning.profile import profile_lightning_module
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from toy_models import MLP  # noqa: E402

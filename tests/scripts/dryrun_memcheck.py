@@ -33,7 +33,7 @@ from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.dryrun import dry_run_plan, estimate_profile
 from osdp_lightning.fakestep import build_meta_module, fake_batch, fake_mode, step_runner
 from osdp_lightning.plan import Plan
-from osdp_lightning.profile import ModelProfile, _logging_disabled, configured_optimizer
+from osdp_lightning.profile import ModelProfile, configured_optimizer, logging_disabled
 
 RANKS_PER_NODE = 8
 PEAK_FLOPS = 3.12e14
@@ -67,7 +67,7 @@ def tracked_peak(model, batch: object, plan: Plan, precision: str = "32-true") -
             optimizer = _optimizer(module)
             inputs = fake_batch(batch, mode)
             root.run_loss = step_runner(module, inputs, precision)
-            with _logging_disabled(module):
+            with logging_disabled(module):
                 _train_step(root, optimizer)  # NOTE: the optimizer state exists from the second step on
                 tracker = _tracker(root, optimizer, tuple(t for t in torch.utils._pytree.tree_leaves(inputs)
                                                           if isinstance(t, torch.Tensor)))

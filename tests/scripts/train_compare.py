@@ -22,8 +22,8 @@ from toy_models import MODELS  # noqa: E402
 import osdp_lightning  # noqa: E402,F401  (registers "osdp")
 from osdp_lightning import ClusterSpec, OSDPStrategy, TrainingSummary  # noqa: E402
 from osdp_lightning.clip import total_grad_norm  # noqa: E402
+from osdp_lightning.measure import profile_lightning_module  # noqa: E402
 from osdp_lightning.plan import Plan, fixed_plan  # noqa: E402
-from osdp_lightning.profile import profile_lightning_module  # noqa: E402
 from osdp_lightning.replicate import replicate_reducer  # noqa: E402
 
 
