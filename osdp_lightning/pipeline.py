@@ -25,6 +25,7 @@ from torch import nn
 from osdp_lightning.budget import MemoryBudget, format_budget, format_bytes
 from osdp_lightning.choices import Choice, ChoiceOptions, choice_space
 from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.fakestep import MIXED_PRECISION_DTYPES
 from osdp_lightning.measure import measure_split_overheads, profile_lightning_module
 from osdp_lightning.plan import Plan, baseline_peak_bytes, make_plan
 from osdp_lightning.profile import (
@@ -113,7 +114,10 @@ def profile_model(module: nn.Module, batch: object, device: torch.device, option
     units = dict(unit_module_types=options.unit_module_types, unit_name_patterns=options.unit_name_patterns,
                  min_unit_params=options.min_unit_params)
     if not whole:
-        return profile_from_shapes(module, batch, device, precision=options.precision, step_context=step_context,
+        # NOTE: under "bf16-true" and the like the parameters already have their dtype; the fake step
+        # needs a precision only for autocast.
+        precision = options.precision if options.precision in MIXED_PRECISION_DTYPES else "32-true"
+        return profile_from_shapes(module, batch, device, precision=precision, step_context=step_context,
                                    split_factors=options.split_factors,
                                    check_checkpointing=options.check_checkpointing, repeats=options.repeats,
                                    **units)

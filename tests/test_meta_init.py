@@ -17,7 +17,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from ckpt_launch import SCRIPTS, run_ranks  # noqa: E402
-from meta_train import CONFIG, build  # noqa: E402
+from meta_train import CONFIG, HAND_MADE, build  # noqa: E402
 from osdp_lightning.recipes.gpt import GPT, GPTLitModule  # noqa: E402
 
 from osdp_lightning.budget import parse_memory_budget  # noqa: E402
@@ -31,9 +31,9 @@ STEPS = 6
 BUDGET = "60%ddp"  # below every uniform layout but zero3's: the plan mixes choices
 
 
-def _run(tmp_path: Path, name: str, *args: str) -> list[dict]:
+def _run(tmp_path: Path, name: str, *args: str, steps: int = STEPS) -> list[dict]:
     out = tmp_path / name
-    finished = run_ranks([str(SCRIPTS / "meta_train.py"), "--out", str(out), "--steps", str(STEPS), *args],
+    finished = run_ranks([str(SCRIPTS / "meta_train.py"), "--out", str(out), "--steps", str(steps), *args],
                          tmp_path / f"{name}.log", timeout_s=240)
     assert finished.returncode == 0, finished.output[-3000:]
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
@@ -47,21 +47,48 @@ def seed_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_meta_built_gpt_trains_like_ddp_under_a_mixed_plan(tmp_path: Path, seed_weights: Path) -> None:
-    """The same initial weights in both: losses equal Lightning DDP's on an eagerly built model."""
-    ddp = _run(tmp_path, "ddp.json", "--strategy", "ddp", "--seed-weights", str(seed_weights))
-    osdp = _run(tmp_path, "osdp.json", "--strategy", "osdp", "--meta", "--budget", BUDGET,
+@pytest.fixture(scope="module")
+def ddp_losses(tmp_path_factory: pytest.TempPathFactory, seed_weights: Path) -> list[float]:
+    """Lightning's DDP on the eagerly built GPT from the seed weights: the reference."""
+    return _run(tmp_path_factory.mktemp("ddp"), "ddp.json", "--strategy", "ddp",
+                "--seed-weights", str(seed_weights))[0]["losses"]
+
+
+def test_meta_built_gpt_trains_like_ddp_under_a_mixed_plan(tmp_path: Path, seed_weights: Path,
+                                                           ddp_losses: list[float]) -> None:
+    """Every kind of choice (replicate, zero2 with checkpointing, zero3, a split Linear, a block
+    descended into its parts), applied to the meta-built model: the same losses as DDP."""
+    osdp = _run(tmp_path, "osdp.json", "--strategy", "osdp", "--meta", "--hand-made-plan",
                 "--seed-weights", str(seed_weights))
-    plan = osdp[0]["plan"]
-    assert len({choice.split("+")[0] for choice in plan.values()}) >= 2, plan  # a mix, not one layout
-    assert osdp[0]["losses"] == pytest.approx(ddp[0]["losses"], rel=1e-4, abs=1e-6)
+    assert osdp[0]["plan"] == HAND_MADE
+    assert osdp[0]["losses"] == pytest.approx(ddp_losses, rel=1e-4, abs=1e-6)
     assert len(osdp[0]["losses"]) == STEPS
 
 
-def test_meta_built_gpt_is_initialised_alike_on_every_rank(tmp_path: Path) -> None:
-    """Without a checkpoint: the recipe's own init, replicated tensors identical on both ranks,
-    every tensor finite and on the device, and the loss starts where a random GPT's does."""
-    ranks = _run(tmp_path, "init.json", "--strategy", "osdp", "--meta", "--budget", BUDGET)
+def test_meta_built_gpt_trains_like_ddp_under_the_plan_it_solves(tmp_path: Path, seed_weights: Path,
+                                                                  ddp_losses: list[float]) -> None:
+    """Planned from shapes at a budget below all-replicate's: DDP's losses."""
+    osdp = _run(tmp_path, "solved.json", "--strategy", "osdp", "--meta", "--budget", BUDGET,
+                "--seed-weights", str(seed_weights))
+    assert set(osdp[0]["plan"].values()) != {"replicate"}  # 60% of DDP's peak: something is sharded
+    assert osdp[0]["losses"] == pytest.approx(ddp_losses, rel=1e-4, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], list[dict]]:
+    """In bf16-true, without seed weights: 11 steps with a checkpoint after the first epoch (8 steps
+    of 2 x 4 samples), then a fresh meta-built model resumed from it to step 11."""
+    tmp_path = tmp_path_factory.mktemp("bf16")
+    common = ("--strategy", "osdp", "--meta", "--budget", BUDGET, "--precision", "bf16-true")
+    whole = _run(tmp_path, "whole.json", *common, "--save-every", "8", "--ckpt-dir", str(tmp_path), steps=11)
+    resumed = _run(tmp_path, "resumed.json", *common, "--resume", str(tmp_path / "step=8.ckpt"), steps=11)
+    return whole, resumed
+
+
+def test_meta_built_gpt_is_initialised_alike_on_every_rank(bf16_runs: tuple[list[dict], list[dict]]) -> None:
+    """As setup leaves it: the recipe's own init, replicated tensors identical on both ranks, every
+    tensor finite and on the device; the loss starts where a random GPT's does."""
+    ranks = bf16_runs[0]
     first, second = ranks[0]["state"], ranks[1]["state"]
     assert any(v["sharded"] for v in first.values()) and any(not v["sharded"] for v in first.values())
     for name, mine in first.items():
@@ -73,6 +100,13 @@ def test_meta_built_gpt_is_initialised_alike_on_every_rank(tmp_path: Path) -> No
     projection = next(v for k, v in first.items() if k.endswith("mlp.c_proj.weight"))
     assert projection["std"] == pytest.approx(0.02 / math.sqrt(2 * CONFIG.n_layer), rel=0.15)
     assert ranks[0]["losses"][0] == pytest.approx(math.log(CONFIG.vocab_size), rel=0.02)
+
+
+def test_a_meta_built_gpt_resumes_from_its_checkpoint_exactly(bf16_runs: tuple[list[dict], list[dict]]) -> None:
+    """The steps after the checkpoint equal the uninterrupted run's."""
+    whole, resumed = bf16_runs
+    assert len(whole[0]["losses"]) == 11
+    assert resumed[0]["losses"] == pytest.approx(whole[0]["losses"][8:], rel=1e-5)
 
 
 def test_a_module_no_reset_parameters_reaches_is_named_on_every_rank(tmp_path: Path) -> None:
