@@ -26,7 +26,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -38,12 +37,11 @@ from osdp_lightning.budget import (
     default_memory_budget,
     device_memory_bytes,
     format_bytes,
-    parse_bytes,
     parse_memory_budget,
     plan_headroom,
 )
 from osdp_lightning.calibrate import CollectiveTimings, calibrate_step_terms, measure_collectives
-from osdp_lightning.choices import ALIASES, ChoiceOptions, choice_space, known_names, resolve
+from osdp_lightning.choices import ChoiceOptions, choice_space
 from osdp_lightning.choices.checkpointing import refusal_message
 from osdp_lightning.clip import with_sharded_clipping
 from osdp_lightning.cluster import ClusterSpec, NodeTimings, live_cluster_spec, measure_node_collectives
@@ -69,6 +67,15 @@ from osdp_lightning.profile import (
 )
 from osdp_lightning.replicate import build_replicate_reducer
 from osdp_lightning.report import format_comparison, log_plan
+from osdp_lightning.setup_inputs import (
+    check_headroom,
+    check_micro_batch_size,
+    check_split_factors,
+    check_uniform_choice,
+    current_batch_size,
+    first_training_batch,
+    set_batch_size,
+)
 from osdp_lightning.shutdown import release_at_exit
 from osdp_lightning.step_terms import StepTerms, default_loop_step_s
 from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS
@@ -143,16 +150,16 @@ class OSDPStrategy(ModelParallelStrategy):
         self.memory_budget = parse_memory_budget(memory_budget) if memory_budget is not None else None
         self.memory_budget_bytes = self.memory_budget.bytes if self.memory_budget is not None else None
         self._plan_source = plan if isinstance(plan, Plan) else (Plan.load(plan) if plan is not None else None)
-        self.micro_batch_size = _check_micro_batch_size(micro_batch_size)
-        self.uniform_choice = _check_uniform_choice(uniform_choice)
-        self.split_factors = _check_split_factors(split_factors)
+        self.micro_batch_size = check_micro_batch_size(micro_batch_size)
+        self.uniform_choice = check_uniform_choice(uniform_choice)
+        self.split_factors = check_split_factors(split_factors)
         self.choice_options = ChoiceOptions(split_factors=self.split_factors,
                                             activation_checkpointing=activation_checkpointing)
         choice_space(ClusterSpec(2, 1, 0.0, 1.0), self.choice_options)  # a bad option fails here, not at setup
         self.unit_module_types, self.unit_name_patterns = unit_module_types, unit_name_patterns
         self.min_unit_params, self.profile_repeats = min_unit_params, profile_repeats
         self.overlap_efficiency, self.solver_time_limit_s = overlap_efficiency, solver_time_limit_s
-        self.headroom, self.calibration_cache = _check_headroom(headroom), calibration_cache
+        self.headroom, self.calibration_cache = check_headroom(headroom), calibration_cache
         self._step_terms: StepTerms | None = None
         self._fragmentation: float | None = None
         self._plan: Plan | None = None
@@ -315,7 +322,7 @@ class OSDPStrategy(ModelParallelStrategy):
                 self._timings = measure_collectives(self.root_device)
             return self._plan_source
         if self.micro_batch_size not in (None, "auto"):
-            _set_batch_size(trainer, module, int(self.micro_batch_size))
+            set_batch_size(trainer, module, int(self.micro_batch_size))
         self._timings = measure_collectives(self.root_device) if self.world_size > 1 else None
         if self.num_nodes > 1 and self.world_size > 1:  # every rank: intra- and inter-node links apart
             self._node_timings = measure_node_collectives(self.root_device, self.num_processes)
@@ -339,8 +346,8 @@ class OSDPStrategy(ModelParallelStrategy):
             raise outcome[0]
         profile, plan = outcome[0]
         self._profile = profile
-        if plan.micro_batch_size != _current_batch_size(trainer, module, plan.micro_batch_size):
-            _set_batch_size(trainer, module, plan.micro_batch_size)
+        if plan.micro_batch_size != current_batch_size(trainer, module, plan.micro_batch_size):
+            set_batch_size(trainer, module, plan.micro_batch_size)
             rank_zero_info(f"osdp: micro-batch size set to {plan.micro_batch_size} (micro_batch_size='auto')")
         return plan
 
@@ -354,7 +361,7 @@ class OSDPStrategy(ModelParallelStrategy):
         return whole_profile_fits(module, budget)
 
     def _profile_and_solve(self, trainer: pl.Trainer, module: pl.LightningModule) -> tuple[ModelProfile, Plan]:
-        batch = _first_training_batch(trainer, module, self)
+        batch = first_training_batch(trainer, module, self)
         if self.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.root_device)
         options = ProfileOptions(
@@ -447,89 +454,3 @@ class OSDPStrategy(ModelParallelStrategy):
         optimizers = [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
         for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", []), strict=False):
             checkpoint_io.load_full_optimizer_state(self.lightning_module, optimizer, state)
-
-
-# -- helpers ------------------------------------------------------------------------------------
-def _check_micro_batch_size(value: Any) -> int | str | None:
-    if value is None or value == "auto":
-        return value
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    raise ValueError(f"micro_batch_size must be a positive int, 'auto' or None; got {value!r}")
-
-
-def _check_uniform_choice(value: str | None) -> str | None:
-    if value is None:
-        return None
-    try:
-        return str(resolve(value))
-    except ValueError:
-        raise ValueError(f"uniform_choice {value!r} is not one of {known_names()} or the aliases "
-                         f"{list(ALIASES)}") from None
-
-
-def _check_headroom(value: float | int | str | None) -> float | int | str | None:
-    """A share of the budget (a float below 1), bytes (an int or ``"256MiB"``), or None (the default)."""
-    if value is None or (isinstance(value, float) and 0 <= value < 1) or value in (0, "0"):
-        return value
-    parse_bytes(value)  # raises, naming the accepted forms
-    return value
-
-
-def _check_split_factors(factors: Sequence[int]) -> tuple[int, ...]:
-    factors = tuple(factors or ())
-    bad = [k for k in factors if not isinstance(k, int) or k < 2]
-    if bad:
-        raise ValueError(f"split_factors must be integers >= 2 (or () to turn splitting off); got {bad}")
-    return factors
-
-
-def _batch_size_owner(trainer: pl.Trainer, module: pl.LightningModule) -> bool:
-    return lightning_hasattr(module, "batch_size")
-
-
-def _current_batch_size(trainer: pl.Trainer, module: pl.LightningModule, default: int) -> int:
-    return int(lightning_getattr(module, "batch_size")) if _batch_size_owner(trainer, module) else default
-
-
-def _set_batch_size(trainer: pl.Trainer, module: pl.LightningModule, size: int) -> None:
-    if not _batch_size_owner(trainer, module):
-        raise ValueError("micro_batch_size needs a `batch_size` attribute on the LightningModule or its "
-                         "DataModule (the way Lightning's batch-size finder sets it); none was found")
-    lightning_setattr(module, "batch_size", size)
-
-
-def _first_training_batch(trainer: pl.Trainer, module: pl.LightningModule, strategy: OSDPStrategy) -> Any:
-    """One real training batch, moved to the device the way Lightning will move it."""
-    source = trainer.fit_loop._data_source
-    if trainer.state.fn != TrainerFn.FITTING or not source.is_defined():
-        return None  # profile with example_input_array
-    loader = source.dataloader()
-    # NOTE: a loader's own generators (its shuffle, its workers' base seed) are not the global ones
-    # that preserved_rng restores; a loader the user hands out again must start its epoch as under DDP.
-    generators = _loader_generators(loader)
-    states = [g.get_state() for g in generators]
-    try:
-        batch = next(iter(loader))
-    finally:
-        for generator, state in zip(generators, states, strict=True):
-            generator.set_state(state)
-    return strategy.batch_to_device(batch, strategy.root_device)
-
-
-def _loader_generators(loader: Any) -> list[torch.Generator]:
-    """The generators a data loader (or a dict or sequence of them) and its samplers draw from."""
-    if isinstance(loader, Mapping):
-        return [g for item in loader.values() for g in _loader_generators(item)]
-    if isinstance(loader, (list, tuple)):
-        return [g for item in loader for g in _loader_generators(item)]
-    sampler = getattr(loader, "sampler", None)
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    holders = (loader, sampler, batch_sampler, getattr(batch_sampler, "sampler", None))
-    found: list[torch.Generator] = []
-    for holder in holders:
-        generator = getattr(holder, "generator", None)
-        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
-            found.append(generator)
-    return found
-
