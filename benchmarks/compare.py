@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--meta", action="store_true",
+                        help="build the model on the meta device (osdp and the hand FSDP2; Lightning's ddp cannot)")
     add_run_arguments(parser, "compare", run_timeout_s=900.0)
     return parser
 
@@ -113,7 +115,7 @@ def worker_command(method: str, budget: int | None, settings: dict[str, int], ar
     cmd = [sys.executable, "-m", "benchmarks.compare_worker", "--method", method, "--out", str(out),
            "--accelerator", args.accelerator, "--devices", str(args.devices), "--seed", str(args.seed)]
     cmd += [arg for k, v in settings.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
-    cmd += ["--text-file", str(out.parent / CORPUS_FILE)]
+    cmd += ["--text-file", str(out.parent / CORPUS_FILE)] + (["--meta"] if getattr(args, "meta", False) else [])
     return cmd + (["--budget", str(budget)] if budget is not None else [])
 
 
