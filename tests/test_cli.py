@@ -80,20 +80,21 @@ def test_osdp_train_under_a_budget_ddp_exceeds(tmp_path: Path, cli_here: CliHere
 
 @pytest.mark.multiprocess
 def test_sweep_runs_every_recipe_with_osdp_and_summarises(tmp_path: Path) -> None:
-    """Each recipe at tiny size trains with strategy=osdp on 2 ranks; one row per job."""
-    proc = run_cli("train", "-m", "model=gpt_tiny,bert_tiny,t5_tiny", "strategy=osdp", "cluster=cpu_2",
+    """The BERT and T5 recipes at tiny size train with strategy=osdp on 2 ranks; one row per job (the
+    GPT recipe trains through the same command line in the main job's test)."""
+    proc = run_cli("train", "-m", "model=bert_tiny,t5_tiny", "strategy=osdp", "cluster=cpu_2",
                    "trainer=smoke", "cluster.memory_budget=1GiB", cwd=tmp_path)
     check_ok(proc)
     sweep_dir = only_dir(tmp_path / "multirun")
     rows = list(csv.DictReader((sweep_dir / "sweep_summary.csv").open()))
-    assert [r["model"] for r in rows] == ["gpt_tiny", "bert_tiny", "t5_tiny"]
+    assert [r["model"] for r in rows] == ["bert_tiny", "t5_tiny"]
     for row in rows:
         assert row["status"] == "ok" and row["strategy"] == "osdp" and row["steps"] == "5"
         assert float(row["tokens_per_s"]) > 0 and int(row["peak_bytes"]) > 0
         assert int(row["memory_budget_bytes"]) == 2**30 and float(row["final_loss"]) < 6.5
     markdown = (sweep_dir / "sweep_summary.md").read_text()
-    assert markdown.count("| ok |") == 3 and "sweep summary: 3 jobs" in proc.stdout
-    for job in ("0", "1", "2"):
+    assert markdown.count("| ok |") == 2 and "sweep summary: 2 jobs" in proc.stdout
+    for job in ("0", "1"):
         assert (sweep_dir / job / "csv" / "metrics.csv").exists() and (sweep_dir / job / "plan.json").exists()
 
 
