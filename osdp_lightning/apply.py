@@ -8,9 +8,10 @@ deadlock the first collective):
 2. apply every unit's choice in plan order (its family's module in ``osdp_lightning/choices/``
    says how: ``fully_shard`` arguments, or a transform such as ``split(k, j)``'s SplitLinear);
 3. apply the root's choice last: it takes every parameter no unit owns;
-4. build one DDP reducer for every replicated parameter (``osdp_lightning/replicate.py``): replicate
-   units and split's replicated slices were only marked, and every ``fully_shard`` above them was
-   told to ignore them.
+4. run every family's ``finish`` hook, then (once every rank got this far) its ``connect`` hook:
+   replicate's builds one DDP reducer for every replicated parameter (``osdp_lightning/replicate.py``;
+   replicate units and split's replicated slices were only marked, and every ``fully_shard`` above
+   them was told to ignore them).
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from osdp_lightning.choices import apply_choice, mesh_group_sizes
+from osdp_lightning.choices import REGISTRY, apply_choice, mesh_group_sizes
 from osdp_lightning.plan import Plan
 from osdp_lightning.profile import ROOT
-from osdp_lightning.replicate import build_replicate_reducer, finish_replicate
 from osdp_lightning.shutdown import release_at_exit
 
 
@@ -77,7 +77,7 @@ def apply_plan(model: nn.Module, root: nn.Module, plan: Plan, meshes: Meshes,
     wrapper dispatches to ``training_step``); FSDP2 makes the first module to run forward the root.
     ``build_reducer=False`` leaves out the one step that talks to the other ranks (DDP's reducer
     checks the replicated parameters with a collective): the caller first makes sure every rank got
-    this far, then calls :func:`~osdp_lightning.replicate.build_replicate_reducer`.
+    this far, then calls :func:`connect_plan`.
     """
     release_at_exit()  # what holds the group is freed before finalization (shutdown.py)
     policy = mp_policy or MixedPrecisionPolicy()
@@ -86,10 +86,18 @@ def apply_plan(model: nn.Module, root: nn.Module, plan: Plan, meshes: Meshes,
         if unit.name != ROOT:
             apply_choice(model, unit.module_names, unit.choice, meshes, policy)
     apply_choice(root, (ROOT,), plan.choice_of(ROOT), meshes, policy)
-    # Replicated units (and slices) were only marked: one DDP reducer takes all of them.
-    finish_replicate(root, meshes.shard, policy)
+    # What a family does once for the whole plan (replicated units and slices were only marked).
+    for family in REGISTRY.families.values():
+        family.finish(root, meshes, policy)
     if build_reducer:
-        build_replicate_reducer(root)
+        connect_plan(root)
+
+
+def connect_plan(root: nn.Module) -> None:
+    """The last step of applying a plan, a collective: each family's ``connect`` (replicate: one
+    DDP reducer). Every rank calls it, once every rank applied the rest of the plan."""
+    for family in REGISTRY.families.values():
+        family.connect(root)
 
 
 def mixed_precision_policy(precision: str | None) -> MixedPrecisionPolicy:

@@ -1,6 +1,7 @@
-"""Measuring a LightningModule whole: its real training step on one device, per unit, plus the
-two things the choices need measured on it (whether each unit can be checkpointed, what splitting
-each Linear costs). Above the choice families, which know how a unit is checkpointed or split.
+"""Measuring a LightningModule whole: its real training step on one device, per unit, plus what
+the choices need measured on it (whether each unit can be checkpointed; whatever each family's
+``measure`` hook adds, e.g. what splitting each Linear costs). Above the choice families, which
+know how a unit is checkpointed or split.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from osdp_lightning.choices import REGISTRY, ChoiceOptions
+from osdp_lightning.choices.base import StepContext
 from osdp_lightning.choices.checkpointing import find_unreplayable
 from osdp_lightning.profile import (
     ModelProfile,
@@ -22,11 +25,9 @@ from osdp_lightning.profile import (
     loss_runner,
     measure_units,
     optimizer_state_bytes_per_param,
-    preserved_rng,
     preserved_state,
     tensor_bytes,
 )
-from osdp_lightning.split import measure_split_overhead_s
 from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS, ROOT, select_units
 
 
@@ -36,7 +37,7 @@ def profile_lightning_module(module: nn.Module, batch: object | None = None, *,
                              unit_name_patterns: Sequence[str] | None = None,
                              min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS,
                              optimizer: torch.optim.Optimizer | None = None,
-                             step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                             step_context: StepContext = contextlib.nullcontext,
                              repeats: int = 3, check_checkpointing: bool = True) -> ModelProfile:
     """Profile a LightningModule's real training computation on ``batch``.
 
@@ -86,46 +87,16 @@ def with_checkpoint_refusals(root: nn.Module, units: Sequence[UnitProfile], run_
     return [with_refusal(u) for u in units]
 
 
-def measure_split_overheads(module: nn.Module, batch: object | None, profile: ModelProfile,
-                            factors: Sequence[int],
-                            step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                            ) -> ModelProfile:
-    """Add the measured cost of splitting each Linear unit into ``k`` slices (k in ``factors``).
-
-    Captures each Linear unit's real input during one forward, then times the split layer
-    against the plain one on that input (k smaller matmuls and a sum are not free on CPU).
-    """
-    linear_units = [u for u in _with_nested(profile.units) if u.linear_shape is not None]
-    if not linear_units:
-        return profile
-    inputs: dict[str, torch.Tensor] = {}
-    handles = [module.get_submodule(u.module_names[0]).register_forward_pre_hook(
-        lambda _m, args, name=u.name: inputs.setdefault(name, args[0].detach())) for u in linear_units]
-    run_loss = loss_runner(module, batch, step_context)
-    try:
-        with preserved_state(module), logging_disabled(module), torch.no_grad():
-            run_loss()
-    finally:
-        for h in handles:
-            h.remove()
-    measured: dict[tuple, tuple[tuple[int, float], ...]] = {}
-
-    def with_overhead(unit: UnitProfile) -> UnitProfile:
-        if unit.parts:
-            return dataclasses.replace(unit, parts=tuple(with_overhead(p) for p in unit.parts))
-        valid = [k for k in factors if unit.linear_shape is not None and unit.linear_shape[1] % k == 0]
-        if unit.name not in inputs or not valid:
-            return unit
-        linear = module.get_submodule(unit.module_names[0])
-        x = inputs[unit.name]
-        # Layers of one shape fed inputs of one shape cost the same: time each kind once.
-        key = (unit.linear_shape, linear.bias is not None, tuple(x.shape), x.dtype)
-        if key not in measured:
-            with preserved_rng(), step_context():
-                measured[key] = tuple((k, max(measure_split_overhead_s(linear, x, k), 0.0)) for k in valid)
-        return dataclasses.replace(unit, split_overhead_s=measured[key])
-    return dataclasses.replace(profile, units=tuple(with_overhead(u) for u in profile.units))
+def measure_choice_overheads(module: nn.Module, batch: object | None, profile: ModelProfile, options: ChoiceOptions,
+                             step_context: StepContext = contextlib.nullcontext) -> ModelProfile:
+    """``profile`` with what each choice family the options turn on needs measured on the whole
+    model (``ChoiceFamily.measure``: split times each Linear cut into ``k`` slices)."""
+    for family in REGISTRY.families.values():
+        profile = family.measure(module, batch, profile, options, step_context)
+    return profile
 
 
-def _with_nested(units: Sequence[UnitProfile]) -> list[UnitProfile]:
-    return [n for u in units for n in (u, *u.parts)]
+def measure_split_overheads(module: nn.Module, batch: object | None, profile: ModelProfile, factors: Sequence[int],
+                            step_context: StepContext = contextlib.nullcontext) -> ModelProfile:
+    """:func:`measure_choice_overheads` for callers that hold only the split factors."""
+    return measure_choice_overheads(module, batch, profile, ChoiceOptions(split_factors=tuple(factors)), step_context)

@@ -12,19 +12,17 @@ project's machine (2 gloo ranks on a 2-core Xeon VM): leaving these out made pre
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
 COLLECTIVES: tuple[str, ...] = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
-SPLIT_REPLICATED = "split_replicated"
-"""A split Linear's replicated slice: its own FSDP2 group on the (W, 1) mesh, kept from forward to backward."""
 PLAIN = "plain"
 """Parameters no FSDP2 call touched (one rank): the optimizer over plain tensors."""
-MACHINERY: tuple[str, ...] = ("replicate", "zero2", "zero3", SPLIT_REPLICATED)
-"""FSDP2 group kinds priced apart. A split's sharded slice is a zero3 group; hsdp and
-zero3(reshard=g) groups are priced as zero3 (they are never offered on one node)."""
+DEVICE_KINDS: tuple[str, ...] = ("cpu", "gpu")
+"""The device kinds with default step terms (:data:`DEFAULT_TERMS`)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +38,41 @@ class Affine:
     def is_valid(self) -> bool:
         return all(math.isfinite(x) and x >= 0 for x in (self.constant_s, self.per_byte_s))
 
+    @classmethod
+    def fit(cls, points: Sequence[tuple[float, float]], count: float) -> Affine:
+        """``y = constant * count + rate * x``, least squares through ``(x, y)`` points; both parts at least 0."""
+        mean_x = statistics.fmean(x for x, _ in points)
+        mean_y = statistics.fmean(y for _, y in points)
+        spread = sum((x - mean_x) ** 2 for x, _ in points)
+        rate = max(sum((x - mean_x) * (y - mean_y) for x, y in points) / spread, 0.0)
+        return cls(max((mean_y - rate * mean_x) / count, 0.0), rate)
+
+
+@dataclass(frozen=True)
+class GroupTerms:
+    """A kind of parameter group the step model prices apart (an FSDP2 group, a share of DDP's
+    reducer, a split's replicated slice), with its default figures per device kind."""
+
+    kind: str
+    overhead: Mapping[str, tuple[float, float]]
+    """Per device kind (:data:`DEVICE_KINDS`): ``(seconds per group, seconds per byte)`` of the machinery."""
+    optimizer: Mapping[str, tuple[float, float]]
+    """Per device kind: ``(seconds per tensor, seconds per byte)`` of the optimizer step."""
+
+
+GROUP_TERMS: dict[str, GroupTerms] = {}
+"""Every group kind priced apart, in registration order. Each choice family brings its own
+(``ChoiceFamily.group_terms``, registered with the family by ``osdp_lightning/choices``), so this
+module names no family; a family whose groups cost what another's do prices them as that kind."""
+
+
+def register_group_terms(terms: GroupTerms) -> None:
+    if terms.kind in GROUP_TERMS or terms.kind == PLAIN:
+        raise ValueError(f"step terms of group kind {terms.kind!r} are registered twice")
+    if set(terms.overhead) != set(DEVICE_KINDS) or set(terms.optimizer) != set(DEVICE_KINDS):
+        raise ValueError(f"group kind {terms.kind!r} needs default terms for each of {DEVICE_KINDS}")
+    GROUP_TERMS[terms.kind] = terms
+
 
 @dataclass(frozen=True)
 class StepTerms:
@@ -50,7 +83,7 @@ class StepTerms:
     unsharded tensor). Each kind is measured for itself: gloo's reduce-scatter costs about an
     all-reduce, not an all-gather."""
     overhead: Mapping[str, Affine]
-    """Per FSDP2 group kind (:data:`MACHINERY`): seconds per group per step (hooks, unshard
+    """Per group kind (:data:`GROUP_TERMS`): seconds per group per step (hooks, unshard
     allocation, copy-in/out) and per byte of the group's whole parameters; collectives excluded."""
     optimizer: Mapping[str, Affine]
     """Per parameter layout (choice kinds and :data:`PLAIN`): seconds of one optimizer step per
@@ -79,16 +112,15 @@ class StepTerms:
         return constant + cost.per_byte_s * link_scale * nbytes * (group - 1) / group
 
     def overhead_s(self, kind: str, groups: float, nbytes: float) -> float:
-        return self.overhead[_machinery(kind)].seconds(groups, nbytes)
+        return self.overhead[kind].seconds(groups, nbytes)
 
     def optimizer_s(self, kind: str, tensors: float, nbytes: float) -> float:
-        key = kind if kind in self.optimizer else _machinery(kind)
-        return self.optimizer[key].seconds(tensors, nbytes)
+        return self.optimizer[kind].seconds(tensors, nbytes)
 
     def is_valid(self) -> bool:
         terms = [*self.collectives.values(), *self.overhead.values(), *self.optimizer.values()]
-        return (set(COLLECTIVES) <= set(self.collectives) and set(MACHINERY) <= set(self.overhead)
-                and set(MACHINERY) | {PLAIN} <= set(self.optimizer)
+        return (set(COLLECTIVES) <= set(self.collectives) and set(GROUP_TERMS) <= set(self.overhead)
+                and set(GROUP_TERMS) | {PLAIN} <= set(self.optimizer)
                 and all(t.is_valid() for t in terms) and math.isfinite(self.loop_step_s) and self.loop_step_s >= 0)
 
     # -- persistence (the calibration cache, cluster configs) -----------------------------------
@@ -117,11 +149,6 @@ class StepTerms:
         return terms
 
 
-def _machinery(kind: str) -> str:
-    """The priced group kind of a choice family (hsdp, zero3(reshard=g): zero3)."""
-    return kind if kind in MACHINERY else "zero3"
-
-
 # ---------------------------------------------------------------------------------------------
 # Defaults per device kind (dry runs; a cluster config's ``step_model:`` overrides any of them)
 # ---------------------------------------------------------------------------------------------
@@ -132,22 +159,17 @@ def _machinery(kind: str) -> str:
 # parameter sharded; the loop about 5 ms. GPU figures are estimates, not measurements (no GPU was
 # available): FSDP2's per-group work is a few hundred microseconds of host time, fused/foreach
 # AdamW reads and writes about 7 bytes per parameter byte at HBM speed.
+# The per-group figures of each kind are its family's (GroupTerms, e.g. osdp_lightning/choices/zero3.py).
 DEFAULT_TERMS: dict[str, dict[str, Any]] = {
     "cpu": {
         # gloo has no native reduce-scatter: it costs about an all-reduce (measured per byte here)
         "collective_byte_factors": {ALL_GATHER: 1.0, REDUCE_SCATTER: 2.4, ALL_REDUCE: 1.9},
-        "overhead": {"replicate": [1.5e-3, 0.8e-9], "zero2": [1.5e-3, 0.9e-9], "zero3": [2.5e-3, 1.8e-9],
-                     SPLIT_REPLICATED: [1.5e-3, 0.9e-9]},
-        "optimizer": {PLAIN: [3.0e-5, 1.3e-9], "replicate": [3.0e-5, 1.3e-9], "zero2": [1.0e-4, 1.2e-9],
-                      "zero3": [1.0e-4, 1.2e-9], SPLIT_REPLICATED: [1.0e-4, 1.8e-9]},
+        "optimizer": {PLAIN: [3.0e-5, 1.3e-9]},
         "loop_step_s": 5.0e-3,
     },
     "gpu": {
         "collective_byte_factors": {ALL_GATHER: 1.0, REDUCE_SCATTER: 1.0, ALL_REDUCE: 2.0},
-        "overhead": {"replicate": [1.0e-4, 0.0], "zero2": [2.0e-4, 0.0], "zero3": [3.0e-4, 0.0],
-                     SPLIT_REPLICATED: [2.0e-4, 0.0]},
-        "optimizer": {PLAIN: [5.0e-6, 3.5e-12], "replicate": [5.0e-6, 3.5e-12], "zero2": [1.5e-5, 3.5e-12],
-                      "zero3": [1.5e-5, 3.5e-12], SPLIT_REPLICATED: [1.5e-5, 3.5e-12]},
+        "optimizer": {PLAIN: [5.0e-6, 3.5e-12]},
         "loop_step_s": 2.0e-3,
     },
 }
@@ -163,10 +185,12 @@ def step_terms_from_config(config: Mapping[str, Any]) -> StepTerms:
     latency = float(config["intra_node_latency_s"])
     per_byte = 1.0 / float(config["intra_node_bandwidth_bytes_per_s"])
     link = {k: [latency, f * per_byte] for k, f in defaults["collective_byte_factors"].items()}
+    overhead = {k: list(t.overhead[kind]) for k, t in GROUP_TERMS.items()}
+    optimizer = {**defaults["optimizer"], **{k: list(t.optimizer[kind]) for k, t in GROUP_TERMS.items()}}
     data = {
         "collectives": {**link, **dict(given.get("collectives") or {})},
-        "overhead": {**defaults["overhead"], **dict(given.get("overhead") or {})},
-        "optimizer": {**defaults["optimizer"], **dict(given.get("optimizer") or {})},
+        "overhead": {**overhead, **dict(given.get("overhead") or {})},
+        "optimizer": {**optimizer, **dict(given.get("optimizer") or {})},
         "loop_step_s": given.get("loop_step_s", defaults["loop_step_s"]),
     }
     return StepTerms.from_dict(data, source=f"cluster config {config.get('name', '?')!r} ({kind} defaults "

@@ -24,10 +24,10 @@ from osdp_lightning.calibrate import (
     write_cache,
 )
 from osdp_lightning.calibrate import fit as fitting
+from osdp_lightning.choices.split import SPLIT_REPLICATED
 from osdp_lightning.step_terms import (
-    MACHINERY,
+    GROUP_TERMS,
     PLAIN,
-    SPLIT_REPLICATED,
     Affine,
     StepTerms,
     step_terms_from_config,
@@ -39,8 +39,8 @@ KEY = {"format": CACHE_FORMAT, "host": "h", "torch": "2.13.0", "backend": "gloo"
 
 def some_terms() -> StepTerms:
     return StepTerms(collectives={k: Affine(1e-4, 1e-9) for k in ("all_gather", "reduce_scatter", "all_reduce")},
-                     overhead={k: Affine(1e-3, 2e-9) for k in MACHINERY},
-                     optimizer={k: Affine(1e-5, 1e-9) for k in (*MACHINERY, PLAIN)}, loop_step_s=4e-3)
+                     overhead={k: Affine(1e-3, 2e-9) for k in GROUP_TERMS},
+                     optimizer={k: Affine(1e-5, 1e-9) for k in (*GROUP_TERMS, PLAIN)}, loop_step_s=4e-3)
 
 
 @pytest.fixture
@@ -114,16 +114,16 @@ def test_a_bad_cache_is_ignored_with_one_line(cache: Path, damage: str, caplog: 
 
 def test_the_fits_recover_a_line_and_never_go_negative() -> None:
     line = [(x, 2e-4 + 1e-9 * x) for x in (6.4e4, 1e6, 4e6, 1.6e7)]
-    fit = fitting._fit(line, 1)
+    fit = Affine.fit(line, 1)
     assert fit.constant_s == pytest.approx(2e-4) and fit.per_byte_s == pytest.approx(1e-9)
-    assert fitting._fit(line, 4).constant_s == pytest.approx(5e-5)  # the constant is per counted item
+    assert Affine.fit(line, 4).constant_s == pytest.approx(5e-5)  # the constant is per counted item
     # A collective's constant is its smallest size's time, so a slow largest size moves the rate,
     # not the latency, and a fast one cannot push the constant below 0.
     slow_top = [*line[:-1], (1.6e7, 2e-4 + 1.5e-9 * 1.6e7)]
     collective = fitting._collective_fit(slow_top)
     assert collective.per_byte_s > 1e-9
     assert collective.constant_s == pytest.approx(max(line[0][1] - collective.per_byte_s * 6.4e4, 0.0))
-    assert fitting._fit([(1.0, 3.0), (2.0, 1.0)], 1) == Affine(2.0, 0.0)  # falling: rate 0
+    assert Affine.fit([(1.0, 3.0), (2.0, 1.0)], 1) == Affine(2.0, 0.0)  # falling: rate 0
     assert fitting._collective_fit([(1e6, 1e-4), (2e6, 1e-2)]).constant_s == 0.0
 
 

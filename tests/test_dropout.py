@@ -26,7 +26,7 @@ from osdp_lightning.calibrate import (  # noqa: E402
     calibration_key,
     write_cache,
 )
-from osdp_lightning.step_terms import COLLECTIVES, MACHINERY, PLAIN, Affine, StepTerms  # noqa: E402
+from osdp_lightning.step_terms import COLLECTIVES, GROUP_TERMS, PLAIN, Affine, StepTerms  # noqa: E402
 
 STEPS = 8
 DDP_ARGS = ("--model", "dropout_mlp", "--steps", str(STEPS), "--strategy", "ddp")
@@ -117,8 +117,8 @@ def _make_cache_warm(cold: list[dict], cache_dir: Path) -> None:
         key = {**calibration_key(torch.device("cpu"), 2, 2, optimizer, split=True),
                "backend": "gloo", "threads": cold[0]["threads"]}
         draws = [StepTerms(collectives={kind: Affine(1e-4, 2e-9) for kind in COLLECTIVES},
-                           overhead={kind: Affine(3e-3, 1e-9) for kind in MACHINERY},
-                           optimizer={kind: Affine(2e-5, 1e-9) for kind in (*MACHINERY, PLAIN)}, loop_step_s=4e-3)]
+                           overhead={kind: Affine(3e-3, 1e-9) for kind in GROUP_TERMS},
+                           optimizer={kind: Affine(2e-5, 1e-9) for kind in (*GROUP_TERMS, PLAIN)}, loop_step_s=4e-3)]
     write_cache(cache_file(key), key, (draws * CACHE_DRAWS)[:CACHE_DRAWS])
 
 

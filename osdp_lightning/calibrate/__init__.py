@@ -27,8 +27,8 @@ from osdp_lightning.apply import Meshes
 from osdp_lightning.calibrate.bench import (
     BENCH_ROUNDS_S,
     COLLECTIVE_REPEATS,
-    SPLIT_CHOICE,
     STACK_WIDTHS,
+    bench_specs,
     build_bench,
     clone_optimizer,
     release_benches,
@@ -63,11 +63,14 @@ over-priced sharding in every later launch (docs/design.md section 7)."""
 
 def measure_step_terms(device: torch.device, optimizer: torch.optim.Optimizer | None, meshes: Meshes, *,
                        split: bool = True, loop_step_s: float = 0.0, repeats: int = 5) -> StepTerms:
-    """Time collectives and tiny plans on every rank; fit the terms from rank 0's timings."""
+    """Time collectives and tiny plans on every rank; fit the terms from rank 0's timings.
+
+    ``split``: also run the benches families mark optional (split's); without them those families'
+    terms are fitted from the others' (faster, and the cache keeps the two apart)."""
     start, start_cpu = time.perf_counter(), time.process_time()
     collective_s = time_collective_sizes(device, COLLECTIVE_REPEATS)
-    configs = ["local", "replicate", "zero2", "zero3"] + (["local_split", SPLIT_CHOICE] if split else [])
-    benches = {(c, w): build_bench(c, w, device, meshes, optimizer) for w in STACK_WIDTHS for c in configs}
+    specs = bench_specs(optional=split)
+    benches = {(s.name, w): build_bench(s, w, device, meshes, optimizer) for w in STACK_WIDTHS for s in specs}
     time_benches(benches, device, repeats, BENCH_ROUNDS_S)
     raw: list[Any] = [(collective_s, {k: (b.step_s, b.optimizer_s) for k, b in benches.items()})]
     dist.broadcast_object_list(raw, src=0)

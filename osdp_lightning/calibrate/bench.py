@@ -1,5 +1,6 @@
 """What calibration times: each collective kind at four sizes, and tiny plans (Linear stacks of
-three widths, one unit per layer) under each choice, applied with the project's own
+three widths, one unit per layer) under each calibrated family's bench choice
+(``ChoiceFamily.calibration``), applied with the project's own
 :func:`~osdp_lightning.apply.apply_plan` so that whatever machinery a choice uses is what is priced."""
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch.distributed as dist
 from torch import nn
 
 from osdp_lightning.apply import Meshes, apply_plan
+from osdp_lightning.choices import REGISTRY, ChoiceFamily
+from osdp_lightning.choices.base import FamilyCalibration
 from osdp_lightning.links import synchronize
 from osdp_lightning.plan import Plan, UnitPlan
-from osdp_lightning.split import split_linear_in_module
 from osdp_lightning.step_terms import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from osdp_lightning.units import ROOT
 
@@ -42,7 +44,43 @@ per-group constant (FSDP2's hooks and launches, about 3 ms per group and step on
 the largest is the size of real units, so that per-byte rates are measured where they are used."""
 STACK_DEPTH = 2
 STACK_ROWS = 8
-SPLIT_CHOICE = "split(k=2, sharded=1)"
+LOCAL = "local"
+"""The plain stack on one rank, no FSDP2: what every bench is timed against unless its family
+gives a reference of its own."""
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """One stack configuration calibration times."""
+
+    name: str
+    """Its key in the timings and in the terms' ``extra``: ``local``, ``local_<kind>``, a choice name."""
+    calibration: FamilyCalibration | None = None
+    """The family it measures (``None``: the plain stack)."""
+    reference: bool = False
+    """The family's unsharded reference stack rather than its bench."""
+
+
+def reference_name(family: ChoiceFamily) -> str:
+    """The bench a family's bench is timed against."""
+    calibration = family.calibration
+    return f"{LOCAL}_{family.kind}" if calibration is not None and calibration.reference is not None else LOCAL
+
+
+def calibrated_families(optional: bool) -> list[ChoiceFamily]:
+    """The families calibration benches, in registry order (those whose bench is optional only if ``optional``)."""
+    return [f for f in REGISTRY.families.values()
+            if f.calibration is not None and (optional or not f.calibration.optional)]
+
+
+def bench_specs(optional: bool) -> list[BenchSpec]:
+    """The plain stack, then each calibrated family's reference (if it has one) and bench."""
+    specs = [BenchSpec(LOCAL)]
+    for family in calibrated_families(optional):
+        if reference_name(family) != LOCAL:
+            specs.append(BenchSpec(reference_name(family), family.calibration, reference=True))
+        specs.append(BenchSpec(family.calibration.bench, family.calibration))
+    return specs
 
 
 class _Stack(nn.Module):
@@ -94,22 +132,22 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]
     return type(optimizer)(params, **defaults)
 
 
-def build_bench(config: str, width: int, device: torch.device, meshes: Meshes,
-                 optimizer: torch.optim.Optimizer | None) -> Bench:
-    """One stack under ``config``: ``local`` / ``local_split`` (no FSDP2) or a choice for every unit."""
+def build_bench(spec: BenchSpec, width: int, device: torch.device, meshes: Meshes,
+                optimizer: torch.optim.Optimizer | None) -> Bench:
+    """One stack as ``spec`` says: plain or a family's reference (no FSDP2), or its bench choice for every unit."""
     # NOTE: seeded, for the same weights on every rank as a real model has, in a fork of the random
     # states: the stream the user's training draws from (dropout) must not move.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
         stack = _Stack(width, STACK_DEPTH).to(device)
         root = _StackRoot(stack, torch.randn(STACK_ROWS, width, device=device))
-        world = meshes.shard.size()
-        if config == "local_split":  # SplitLinear initialises its slices: a draw
+        world, calibration = meshes.shard.size(), spec.calibration
+        if calibration is not None and spec.reference:  # a transform may draw (SplitLinear's slices)
             for i in range(STACK_DEPTH):
-                split_linear_in_module(stack, f"layers.{i}", 2)
-        elif config != "local":
-            root_choice = "zero3" if config == SPLIT_CHOICE else config  # a split's biases live in the root
-            apply_plan(stack, root, _stack_plan(STACK_DEPTH, width, config, root_choice, world), meshes)
+                calibration.reference(stack, f"layers.{i}")
+        elif calibration is not None:
+            plan = _stack_plan(STACK_DEPTH, width, calibration.bench, calibration.root or calibration.bench, world)
+            apply_plan(stack, root, plan, meshes)
     clone = clone_optimizer(optimizer, list(root.parameters())) if optimizer is not None else None
     return Bench(root, clone, [], [])
 

@@ -4,15 +4,18 @@ A :class:`Choice` is a kind plus integer parameters plus modifiers: ``zero3``,
 ``split(k=4, sharded=3)``, ``hsdp(g=8)``, ``zero3(reshard=8)``, ``zero3+ckpt``. Its ``str()`` is
 the name plans, tables and configs use; :func:`parse` reads a name back. A family
 (:class:`ChoiceFamily`) is identified by its kind and parameter names (``zero3`` and
-``zero3(reshard=G)`` are two families) and says what the choice costs and how it is applied.
-A modifier (:class:`ChoiceModifier`, ``+ckpt``) combines with any family's choice: it adjusts
+``zero3(reshard=G)`` are two families) and says what the choice costs and how it is applied,
+and, through hooks that do nothing by default, what else the pipeline does for it: what it needs
+measured on the profiled model, what is done once every unit is applied, which step terms its
+machinery adds and how calibration measures them. A modifier (:class:`ChoiceModifier`, ``+ckpt``) combines with any family's choice: it adjusts
 the cost of the choice it modifies and transforms the module before the family applies it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from osdp_lightning.replicate import ignored_for
+from osdp_lightning.step_terms import Affine, GroupTerms, register_group_terms
 
 if TYPE_CHECKING:  # NOTE: annotations only: apply.py imports this package
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -27,7 +31,7 @@ if TYPE_CHECKING:  # NOTE: annotations only: apply.py imports this package
     from osdp_lightning.apply import Meshes
     from osdp_lightning.cluster import ClusterSpec
     from osdp_lightning.cost import ChoiceCost, CostContext
-    from osdp_lightning.profile import UnitProfile
+    from osdp_lightning.profile import ModelProfile, UnitProfile
 
 _NAME_RE = re.compile(r"^(?P<kind>[a-z][a-z0-9_]*)(?:\((?P<params>[^()]*)\))?(?P<mods>(?:\+[a-z][a-z0-9_]*)*)$")
 _PARAM_RE = re.compile(r"^\s*([a-z_]+)\s*=\s*(\d+)\s*$")
@@ -84,6 +88,57 @@ class ChoiceOptions:
 
 CostFn = Callable[["UnitProfile", Choice, "CostContext"], "ChoiceCost"]
 ApplyFn = Callable[[nn.Module, tuple[str, ...], Choice, "Meshes", "MixedPrecisionPolicy"], None]
+StepContext = Callable[[], contextlib.AbstractContextManager]
+MeasureFn = Callable[[nn.Module, object, "ModelProfile", ChoiceOptions, StepContext], "ModelProfile"]
+FinishFn = Callable[[nn.Module, "Meshes", "MixedPrecisionPolicy"], None]
+ConnectFn = Callable[[nn.Module], None]
+TermsFit = tuple[dict[str, Affine], dict[str, Affine]]
+
+
+@dataclass(frozen=True)
+class StackTimings:
+    """What calibration measured of one family's bench: a stack of units, each an fp32
+    ``nn.Linear(width, width)`` with bias, under the family's bench choice, per stack width."""
+
+    excess_s: Mapping[int, float]
+    """Seconds per unit and step beyond the unsharded stack's and the cost model's collectives."""
+    optimizer_s: Mapping[int, float]
+    """Seconds of the optimizer step per unit."""
+
+    @staticmethod
+    def unit_bytes(width: int) -> int:
+        return (width * width + width) * 4
+
+
+@dataclass(frozen=True)
+class FamilyCalibration:
+    """How calibration (``osdp_lightning/calibrate/``) measures a family's group terms: Linear
+    stacks whose every unit takes ``bench``, timed against the same stacks unsharded."""
+
+    bench: str
+    """The choice every unit of the stack takes."""
+    fit: Callable[[StackTimings | None, Mapping[str, Affine], Mapping[str, Affine]], TermsFit]
+    """``(overhead, optimizer)`` terms of the family's group kinds from its bench (``None`` when it
+    was not benched) and the overhead and optimizer terms of the families registered before it."""
+    root: str = ""
+    """The stack's root's choice (``""``: ``bench``)."""
+    reference: Callable[[nn.Module, str], None] | None = None
+    """Transforms each unit (by name) of the unsharded stack the bench is timed against, so that the
+    difference is the family's machinery alone (``None``: the plain stack)."""
+    optional: bool = False
+    """Benched only when calibration is asked for every family; else ``fit`` gets ``None``."""
+
+
+def whole_unit_calibration(kind: str) -> FamilyCalibration:
+    """The calibration of a family that runs each unit as one group of ``kind``: its per-group and
+    per-byte terms fitted over the stack's widths."""
+    def fit(timings: StackTimings | None, _overhead: Mapping[str, Affine], _optimizer: Mapping[str, Affine]
+            ) -> TermsFit:
+        assert timings is not None, f"{kind} is always benched"
+        def fitted(seconds: Mapping[int, float], count: float) -> Affine:
+            return Affine.fit([(StackTimings.unit_bytes(w), s) for w, s in seconds.items()], count)
+        return {kind: fitted(timings.excess_s, 1)}, {kind: fitted(timings.optimizer_s, 2)}
+    return FamilyCalibration(bench=kind, fit=fit)
 
 
 def _always(_unit: UnitProfile, _choice: Choice, _ctx: CostContext) -> bool:
@@ -94,9 +149,23 @@ def _no_groups(_choice: Choice) -> tuple[int, ...]:
     return ()
 
 
+def _profile_unchanged(_module: nn.Module, _batch: object, profile: ModelProfile, _options: ChoiceOptions,
+                       _step_context: StepContext) -> ModelProfile:
+    return profile
+
+
+def _nothing_to_finish(_root: nn.Module, _meshes: Meshes, _mp_policy: MixedPrecisionPolicy) -> None:
+    return None
+
+
+def _nothing_to_connect(_root: nn.Module) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class ChoiceFamily:
-    """One family of choices: its name and parameters, its cost, how it is applied."""
+    """One family of choices: its name and parameters, its cost, how it is applied, and hooks for
+    what the other stages do for it (each does nothing by default)."""
 
     kind: str
     param_names: tuple[str, ...]
@@ -110,6 +179,20 @@ class ChoiceFamily:
     """Whether a unit can take the choice (a split needs one Linear whose width ``k`` divides)."""
     mesh_groups: Callable[[Choice], tuple[int, ...]] = _no_groups
     """Group sizes of the extra (W/g, g) meshes the choice needs."""
+    measure: MeasureFn = _profile_unchanged
+    """``(module, batch, profile, options, step_context)``: the profile with what the family's
+    cost needs measured on the whole model added (split: what cutting each Linear costs)."""
+    finish: FinishFn = _nothing_to_finish
+    """``(root, meshes, mp_policy)``, once every unit of a plan is applied, on this rank alone
+    (replicate: the ``fully_shard`` its marked units need around them)."""
+    connect: ConnectFn = _nothing_to_connect
+    """``(root)``, the last step of applying, which may talk to the other ranks: every rank calls it
+    once every rank has finished (replicate: DDP's reducer)."""
+    group_terms: tuple[GroupTerms, ...] = ()
+    """The group kinds its machinery is priced as, with default figures (``()``: it prices its
+    groups as another family's kinds)."""
+    calibration: FamilyCalibration | None = None
+    """How calibration measures its ``group_terms`` (``None``: it has none of its own)."""
 
     @property
     def signature(self) -> tuple[str, tuple[str, ...]]:
@@ -140,9 +223,14 @@ REGISTRY = _Registry()
 
 
 def register(family: ChoiceFamily) -> ChoiceFamily:
+    """Add ``family`` to the registry and its group kinds to the step model's."""
     if family.signature in REGISTRY.families:
         raise ValueError(f"choice family {family.signature} is registered twice")
+    if (family.calibration is None) != (not family.group_terms):
+        raise ValueError(f"choice family {family.signature} must calibrate exactly the group terms it brings")
     REGISTRY.families[family.signature] = family
+    for terms in family.group_terms:
+        register_group_terms(terms)
     return family
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from osdp_lightning.choices.base import Choice, ChoiceFamily, ChoiceOptions, fully_shard_apply
+from osdp_lightning.choices.zero3 import TERMS as ZERO3_TERMS
 from osdp_lightning.choices.zero3 import sharded_cost
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.cost import ChoiceCost, CostContext, UnitBytes, all_reduce_s, ceil_div
@@ -49,8 +50,9 @@ def hsdp_cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost
     on different nodes whenever there are several."""
     group, cluster = choice["g"], ctx.cluster
     _check_group(group, cluster)
-    # zero3 inside the group (its machinery priced as zero3 groups: step_terms.MACHINERY), plus the all-reduce
-    in_group = sharded_cost(unit, choice, ctx, gathers=(group, group), shard=group)
+    # zero3 inside the group (its machinery priced as zero3 groups: never offered on one node, where
+    # calibration runs), plus the all-reduce
+    in_group = sharded_cost(unit, choice, ctx, gathers=(group, group), shard=group, priced_as=ZERO3_TERMS.kind)
     across_nodes = cluster.num_nodes > 1
     reduced = UnitBytes.of(unit, ctx.profile).reduced
     across_s = ctx.once_per_step_s(all_reduce_s(ceil_div(reduced, group), cluster.world_size // group, cluster,

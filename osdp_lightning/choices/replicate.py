@@ -12,13 +12,23 @@ from typing import Any
 
 from torch import nn
 
-from osdp_lightning.choices.base import Choice, ChoiceFamily, ChoiceOptions, unit_modules
+from osdp_lightning.choices.base import (
+    Choice,
+    ChoiceFamily,
+    ChoiceOptions,
+    unit_modules,
+    whole_unit_calibration,
+)
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.cost import ChoiceCost, CostContext, UnitBytes, all_reduce_s
 from osdp_lightning.profile import UnitProfile
-from osdp_lightning.replicate import BUCKET_CAP_MB, mark_replicated
+from osdp_lightning.replicate import BUCKET_CAP_MB, build_replicate_reducer, finish_replicate, mark_replicated
+from osdp_lightning.step_terms import GroupTerms
 
 CHOICE = Choice("replicate")
+TERMS = GroupTerms("replicate", overhead={"cpu": (1.5e-3, 0.8e-9), "gpu": (1.0e-4, 0.0)},
+                   optimizer={"cpu": (3.0e-5, 1.3e-9), "gpu": (5.0e-6, 3.5e-12)})
+"""A unit's share of DDP's reducer (hooks, bucket copies) and the optimizer over its plain tensors."""
 
 
 def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
@@ -28,7 +38,7 @@ def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
     # are part of the persistent state and there is no second copy. After zero_grad(set_to_none)
     # autograd computes each gradient into a fresh tensor that the reducer copies into its bucket
     # and frees: one tensor at a time, so the transient is the unit's largest gradient tensor.
-    overhead_s, optimizer_s = ctx.machinery_s(unit, "replicate")
+    overhead_s, optimizer_s = ctx.machinery_s(unit, TERMS.kind)
     # One collective per ~25 MiB bucket, not per unit: the unit pays its share of a launch.
     bucket_share = min(1.0, b.grads / (BUCKET_CAP_MB * 2**20))
     # Accumulating, DDP's no-sync adds each micro-step's gradients into the same buckets: no extra bytes.
@@ -43,10 +53,21 @@ def space(_options: ChoiceOptions, _cluster: ClusterSpec) -> tuple[Choice, ...]:
 
 
 def apply(model: nn.Module, module_names: tuple[str, ...], _choice: Choice, _meshes: Any, _mp_policy: Any) -> None:
-    """Mark the unit for DDP's reducer; ``apply_plan`` builds it (``finish_replicate``) after every unit."""
+    """Mark the unit for DDP's reducer; :func:`finish` and :func:`connect` build it after every unit."""
     modules = unit_modules(model, module_names)
     for module in modules if isinstance(modules, list) else [modules]:
         mark_replicated(module)
 
 
-FAMILY = ChoiceFamily(kind="replicate", param_names=(), cost=cost, space=space, apply=apply)
+def finish(root: nn.Module, meshes: Any, mp_policy: Any) -> None:
+    """Every marked unit (and split's replicated slices) stays plain: the sharded units need an FSDP2 root above them."""
+    finish_replicate(root, meshes.shard, mp_policy)
+
+
+def connect(root: nn.Module) -> None:
+    """One DDP reducer for every marked parameter (a collective: every rank, once all applied)."""
+    build_replicate_reducer(root)
+
+
+FAMILY = ChoiceFamily(kind="replicate", param_names=(), cost=cost, space=space, apply=apply, finish=finish,
+                      connect=connect, group_terms=(TERMS,), calibration=whole_unit_calibration(TERMS.kind))

@@ -2,15 +2,30 @@
 operator splitting), ``J`` slices zero3 and ``K - J`` replicated.
 
 Applied by replacing the Linear with :class:`osdp_lightning.split.SplitLinear` and sharding its
-slices one by one (each slice its own all-gather group).
+slices one by one (each slice its own all-gather group). Its cost needs what cutting each Linear
+costs, measured on the profiled model (:func:`measure_overheads`); its replicated slices are a
+group kind of their own in the step model (:data:`TERMS`, calibrated by :func:`fit_terms`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+
+import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from osdp_lightning.choices.base import Choice, ChoiceFamily, ChoiceOptions
+from osdp_lightning.choices import replicate, zero2, zero3
+from osdp_lightning.choices.base import (
+    Choice,
+    ChoiceFamily,
+    ChoiceOptions,
+    FamilyCalibration,
+    StackTimings,
+    StepContext,
+    TermsFit,
+)
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.cost import (
     ChoiceCost,
@@ -20,9 +35,22 @@ from osdp_lightning.cost import (
     ceil_div,
     reduce_scatter_s,
 )
-from osdp_lightning.profile import UnitProfile
-from osdp_lightning.split import shard_split_linear, split_linear_in_module
-from osdp_lightning.step_terms import SPLIT_REPLICATED
+from osdp_lightning.profile import (
+    ModelProfile,
+    UnitProfile,
+    logging_disabled,
+    loss_runner,
+    preserved_rng,
+    preserved_state,
+)
+from osdp_lightning.split import measure_split_overhead_s, shard_split_linear, split_linear_in_module
+from osdp_lightning.step_terms import Affine, GroupTerms
+
+TERMS = GroupTerms("split_replicated", overhead={"cpu": (1.5e-3, 0.9e-9), "gpu": (2.0e-4, 0.0)},
+                   optimizer={"cpu": (1.0e-4, 1.8e-9), "gpu": (1.5e-5, 3.5e-12)})
+"""A replicated slice: its own FSDP2 group on the (W, 1) mesh, kept from forward to backward.
+A sharded slice is a zero3 group."""
+SPLIT_REPLICATED = TERMS.kind
 
 
 def choice(k: int, sharded: int) -> Choice:
@@ -98,11 +126,11 @@ def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
     compute_s = (unit.forward_s + unit.backward_s + overhead[k]) * ctx.batch_scale
     # Each slice is its own FSDP2 group (k per-group constants); the bias is one more zero3 tensor.
     slice_bytes = slice_params * profile.param_bytes_per_element
-    machinery_s = (sharded * ctx.overhead_s("zero3", 1, slice_bytes)
+    machinery_s = (sharded * ctx.overhead_s(zero3.TERMS.kind, 1, slice_bytes)
                    + replicated * ctx.overhead_s(SPLIT_REPLICATED, 1, slice_bytes))
-    optimizer_s = ((sharded * ctx.optimizer_s("zero3", 1, slice_bytes)
+    optimizer_s = ((sharded * ctx.optimizer_s(zero3.TERMS.kind, 1, slice_bytes)
                     + replicated * ctx.optimizer_s(SPLIT_REPLICATED, 1, slice_bytes)) if weight_trainable else 0.0)
-    optimizer_s += ctx.optimizer_s("zero3", 1, bias_trainable * profile.param_bytes_per_element) if bias_trainable else 0.0
+    optimizer_s += ctx.optimizer_s(zero3.TERMS.kind, 1, bias_trainable * profile.param_bytes_per_element) if bias_trainable else 0.0
     # A neighbouring unit's run overlaps at most one prefetched slice of this one.
     return ChoiceCost(str(choice), state, 0, transient, compute_s, comm_s,
                       prefetch_bytes=gathered if sharded else 0,
@@ -129,9 +157,77 @@ def apply(model: nn.Module, module_names: tuple[str, ...], choice: Choice, meshe
           mp_policy: MixedPrecisionPolicy) -> None:
     """Replace the Linear with a SplitLinear and shard its slices (the bias stays with the parent unit)."""
     split_module = split_linear_in_module(model, module_names[0], choice["k"])
-    # NOTE: replicated slices join DDP's reducer (replicate_mesh=None), built by apply_plan at the end.
+    # NOTE: replicated slices join DDP's reducer (replicate_mesh=None), built by replicate's connect hook.
     shard_split_linear(split_module, choice["sharded"], meshes.shard, None, mp_policy)
 
 
-FAMILY = ChoiceFamily(kind="split", param_names=("k", "sharded"), cost=cost, apply=apply, space=space,
-                      allowed=allowed)
+def measure_overheads(module: nn.Module, batch: object | None, profile: ModelProfile, options: ChoiceOptions,
+                      step_context: StepContext) -> ModelProfile:
+    """``profile`` with the measured cost of splitting each Linear unit into ``k`` slices, for every
+    ``k`` of ``options.split_factors``.
+
+    Captures each Linear unit's real input during one forward, then times the split layer
+    against the plain one on that input (k smaller matmuls and a sum are not free on CPU).
+    """
+    linear_units = [n for u in profile.units for n in (u, *u.parts) if n.linear_shape is not None]
+    if not options.split_factors or not linear_units:
+        return profile
+    inputs: dict[str, torch.Tensor] = {}
+    handles = [module.get_submodule(u.module_names[0]).register_forward_pre_hook(
+        lambda _m, args, name=u.name: inputs.setdefault(name, args[0].detach())) for u in linear_units]
+    run_loss = loss_runner(module, batch, step_context)
+    try:
+        with preserved_state(module), logging_disabled(module), torch.no_grad():
+            run_loss()
+    finally:
+        for h in handles:
+            h.remove()
+    measured: dict[tuple, tuple[tuple[int, float], ...]] = {}
+
+    def with_overhead(unit: UnitProfile) -> UnitProfile:
+        if unit.parts:
+            return dataclasses.replace(unit, parts=tuple(with_overhead(p) for p in unit.parts))
+        valid = [k for k in options.split_factors if unit.linear_shape is not None and unit.linear_shape[1] % k == 0]
+        if unit.name not in inputs or not valid:
+            return unit
+        linear = module.get_submodule(unit.module_names[0])
+        x = inputs[unit.name]
+        # Layers of one shape fed inputs of one shape cost the same: time each kind once.
+        key = (unit.linear_shape, linear.bias is not None, tuple(x.shape), x.dtype)
+        if key not in measured:
+            with preserved_rng(), step_context():
+                measured[key] = tuple((k, max(measure_split_overhead_s(linear, x, k), 0.0)) for k in valid)
+        return dataclasses.replace(unit, split_overhead_s=measured[key])
+    return dataclasses.replace(profile, units=tuple(with_overhead(u) for u in profile.units))
+
+
+CALIBRATION_K = 2
+"""Calibration's bench: every Linear of the stack cut in two, one slice zero3 and one replicated."""
+
+
+def fit_terms(timings: StackTimings | None, overhead: Mapping[str, Affine], optimizer: Mapping[str, Affine]
+              ) -> TermsFit:
+    """A replicated slice's terms: what the bench took per unit beyond its zero3 slice (its bias,
+    in the root's zero3 group, priced as one more zero3 tensor). Not benched: a replicated slice is
+    gathered once per step and kept until backward like zero2, its optimizer runs like replicate's."""
+    if timings is None:
+        return {TERMS.kind: overhead[zero2.TERMS.kind]}, {TERMS.kind: optimizer[replicate.TERMS.kind]}
+    zero3_overhead, zero3_optimizer = overhead[zero3.TERMS.kind], optimizer[zero3.TERMS.kind]
+    half = {w: w * w * 4 // CALIBRATION_K for w in timings.excess_s}  # one slice's weight, fp32
+
+    def fitted(seconds: Mapping[int, float]) -> Affine:
+        return Affine.fit([(half[w], s) for w, s in seconds.items()], 1)
+    slice_s = {w: s - zero3_overhead.seconds(1, half[w]) for w, s in timings.excess_s.items()}
+    slice_opt = {w: s - zero3_optimizer.seconds(2, half[w] + 4 * w) for w, s in timings.optimizer_s.items()}
+    return {TERMS.kind: fitted(slice_s)}, {TERMS.kind: fitted(slice_opt)}
+
+
+def _split_in_calibration(stack: nn.Module, unit_name: str) -> None:
+    split_linear_in_module(stack, unit_name, CALIBRATION_K)
+
+
+FAMILY = ChoiceFamily(
+    kind="split", param_names=("k", "sharded"), cost=cost, apply=apply, space=space, allowed=allowed,
+    measure=measure_overheads, group_terms=(TERMS,),
+    calibration=FamilyCalibration(bench=str(choice(CALIBRATION_K, 1)), fit=fit_terms, root=str(zero3.CHOICE),
+                                  reference=_split_in_calibration, optional=True))

@@ -5,13 +5,22 @@ FSDP2 ``fully_shard(unit, mesh, reshard_after_forward=False)``: one all-gather, 
 
 from __future__ import annotations
 
-from osdp_lightning.choices.base import Choice, ChoiceFamily, ChoiceOptions, fully_shard_apply
+from osdp_lightning.choices.base import (
+    Choice,
+    ChoiceFamily,
+    ChoiceOptions,
+    fully_shard_apply,
+    whole_unit_calibration,
+)
 from osdp_lightning.choices.zero3 import sharded_cost
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.cost import ChoiceCost, CostContext
 from osdp_lightning.profile import UnitProfile
+from osdp_lightning.step_terms import GroupTerms
 
 CHOICE = Choice("zero2")
+TERMS = GroupTerms("zero2", overhead={"cpu": (1.5e-3, 0.9e-9), "gpu": (2.0e-4, 0.0)},
+                   optimizer={"cpu": (1.0e-4, 1.2e-9), "gpu": (1.5e-5, 3.5e-12)})
 
 
 def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
@@ -25,4 +34,5 @@ def space(_options: ChoiceOptions, _cluster: ClusterSpec) -> tuple[Choice, ...]:
 
 FAMILY = ChoiceFamily(
     kind="zero2", param_names=(), cost=cost, space=space,
-    apply=fully_shard_apply(lambda _choice, meshes: {"mesh": meshes.shard, "reshard_after_forward": False}))
+    apply=fully_shard_apply(lambda _choice, meshes: {"mesh": meshes.shard, "reshard_after_forward": False}),
+    group_terms=(TERMS,), calibration=whole_unit_calibration(TERMS.kind))

@@ -5,12 +5,22 @@ FSDP2 ``fully_shard(unit, mesh, reshard_after_forward=True)``: two all-gathers, 
 
 from __future__ import annotations
 
-from osdp_lightning.choices.base import Choice, ChoiceFamily, ChoiceOptions, fully_shard_apply
+from osdp_lightning.choices.base import (
+    Choice,
+    ChoiceFamily,
+    ChoiceOptions,
+    fully_shard_apply,
+    whole_unit_calibration,
+)
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.cost import ChoiceCost, CostContext, UnitBytes, all_gather_s, ceil_div, reduce_scatter_s
 from osdp_lightning.profile import UnitProfile
+from osdp_lightning.step_terms import GroupTerms
 
 CHOICE = Choice("zero3")
+TERMS = GroupTerms("zero3", overhead={"cpu": (2.5e-3, 1.8e-9), "gpu": (3.0e-4, 0.0)},
+                   optimizer={"cpu": (1.0e-4, 1.2e-9), "gpu": (1.5e-5, 3.5e-12)})
+"""One zero3 group: also a split's sharded slice, an hsdp group and a zero3(reshard=G) group."""
 
 
 def _latency_s(ctx: CostContext, ranks: int) -> float:
@@ -22,14 +32,14 @@ def _latency_s(ctx: CostContext, ranks: int) -> float:
 
 
 def sharded_cost(unit: UnitProfile, choice: Choice, ctx: CostContext, *, gathers: tuple[int, ...],
-                 held: int = 0, shard: int | None = None) -> ChoiceCost:
+                 held: int = 0, shard: int | None = None, priced_as: str = "") -> ChoiceCost:
     """The cost of every FSDP2 layout (zero2, zero3, zero3(reshard=G), hsdp's part in its group).
 
     State sharded over ``shard`` ranks (default all), one reduce-scatter over them per optimizer
     step, and one all-gather of the parameters per entry of ``gathers`` (the ranks it spans).
     ``held``: the gathered parameters kept from forward to backward, 0 none (transient: what a
     neighbour's prefetch overlaps), 1 all (zero2: no second gather), G a 1/G shard (reshard=G).
-    The machinery is priced as the choice's kind.
+    The machinery is priced as the group kind ``priced_as`` (default: the choice's kind).
     """
     b, cluster = UnitBytes.of(unit, ctx.profile), ctx.cluster
     shard = cluster.world_size if shard is None else shard
@@ -39,7 +49,7 @@ def sharded_cost(unit: UnitProfile, choice: Choice, ctx: CostContext, *, gathers
         reduce_scatter_s(b.reduced, shard, cluster))
     exposed_s = ((gathers.count(shard) + ctx.once_per_step_s(1)) * _latency_s(ctx, shard)
                  + sum(_latency_s(ctx, ranks) for ranks in gathers if ranks != shard))
-    overhead_s, optimizer_s = ctx.machinery_s(unit, choice.kind)
+    overhead_s, optimizer_s = ctx.machinery_s(unit, priced_as or choice.kind)
     kept = ctx.kept_grad_bytes(b.grads)  # accumulating: the unsharded gradient lives through the step
     whole = held == 1  # zero2: the gathered copy is held, not transient; nothing is gathered for backward
     # NOTE: its backward frees saved activations while it makes the gradients: the profiled rise
@@ -72,4 +82,5 @@ def space(_options: ChoiceOptions, _cluster: ClusterSpec) -> tuple[Choice, ...]:
 
 FAMILY = ChoiceFamily(
     kind="zero3", param_names=(), cost=cost, space=space,
-    apply=fully_shard_apply(lambda _choice, meshes: {"mesh": meshes.shard, "reshard_after_forward": True}))
+    apply=fully_shard_apply(lambda _choice, meshes: {"mesh": meshes.shard, "reshard_after_forward": True}),
+    group_terms=(TERMS,), calibration=whole_unit_calibration(TERMS.kind))
