@@ -36,14 +36,13 @@ from osdp_lightning.fakestep import (
     run_fake_step,
     step_runner,
 )
+from osdp_lightning.optim_state import configured_optimizer, optimizer_state_bytes_per_param
 from osdp_lightning.profile import (
     ModelProfile,
     UnitProfile,
     assemble_unit,
     batch_size_of,
-    configured_optimizer,
     linear_shape_of,
-    optimizer_state_bytes_per_param,
     tensor_bytes,
     with_measured_parts,
 )

@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from osdp_lightning.profile import logging_disabled, loss_runner, preserved_rng
+from osdp_lightning.guards import preserved_rng
+from osdp_lightning.profile import logging_disabled, loss_runner
 from osdp_lightning.recorder import StepRecorder, storage_key, storage_of
 from osdp_lightning.units import ROOT, UnitSpec
 

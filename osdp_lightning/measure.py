@@ -17,6 +17,8 @@ from torch import nn
 from osdp_lightning.choices import REGISTRY, ChoiceOptions
 from osdp_lightning.choices.base import StepContext
 from osdp_lightning.choices.checkpointing import find_unreplayable
+from osdp_lightning.guards import preserved_state
+from osdp_lightning.optim_state import optimizer_state_bytes_per_param
 from osdp_lightning.profile import (
     ModelProfile,
     UnitProfile,
@@ -24,8 +26,6 @@ from osdp_lightning.profile import (
     logging_disabled,
     loss_runner,
     measure_units,
-    optimizer_state_bytes_per_param,
-    preserved_state,
     tensor_bytes,
 )
 from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS, ROOT, select_units

@@ -27,12 +27,9 @@ from osdp_lightning.choices import Choice, ChoiceOptions, choice_space
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.fakestep import MIXED_PRECISION_DTYPES
 from osdp_lightning.measure import measure_split_overheads, profile_lightning_module
+from osdp_lightning.optim_state import configured_optimizer, optimizer_state_bytes_per_param
 from osdp_lightning.plan import Plan, baseline_peak_bytes, make_plan
-from osdp_lightning.profile import (
-    ModelProfile,
-    configured_optimizer,
-    optimizer_state_bytes_per_param,
-)
+from osdp_lightning.profile import ModelProfile
 from osdp_lightning.unitbench import profile_from_shapes
 from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS, select_units
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
-import random
 import statistics
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -20,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from osdp_lightning.guards import preserved_state
 from osdp_lightning.recorder import StepRecorder
 from osdp_lightning.units import ROOT, UnitSpec, owned_params
 
@@ -342,87 +341,6 @@ def assemble_unit(root: nn.Module, name: str, module_names: tuple[str, ...], par
         tensor_count=sum(1 for p in params if p.requires_grad),
         largest_tensor_count=max((p.numel() for p in params if p.requires_grad), default=0),
         interleaved=interleaved, backward_rise_bytes=backward_rise_bytes, tail_activation_bytes=tail_activation_bytes)
-
-
-@contextlib.contextmanager
-def preserved_state(module: nn.Module) -> Iterator[None]:
-    """Restore parameters, buffers, gradients and every RNG after the block."""
-    tensors = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
-    grads = {id(p): (p.grad.detach().clone() if p.grad is not None else None) for p in module.parameters()}
-    with preserved_rng():
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for key, value in module.state_dict(keep_vars=True).items():
-                    value.copy_(tensors[key])
-            for p in module.parameters():
-                p.grad = grads[id(p)]
-
-
-@contextlib.contextmanager
-def preserved_rng() -> Iterator[None]:
-    """Restore the torch, CUDA, Python and NumPy random states after the block."""
-    state = _rng_state()
-    try:
-        yield
-    finally:
-        _set_rng_state(state)
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    with contextlib.suppress(ImportError):
-        import numpy as np
-        state["numpy"] = np.random.get_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "numpy" in state:
-        import numpy as np
-        np.random.set_state(state["numpy"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def configured_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
-    """The (first) optimizer ``module.configure_optimizers()`` builds, in any of the forms Lightning
-    accepts (an optimizer, a dict, lists or tuples of them); ``None`` when there is none."""
-    if not hasattr(module, "configure_optimizers"):
-        return None
-    return _first_optimizer(module.configure_optimizers())
-
-
-def _first_optimizer(configured: object) -> torch.optim.Optimizer | None:
-    if isinstance(configured, torch.optim.Optimizer) or configured is None:
-        return configured
-    if isinstance(configured, dict):
-        return _first_optimizer(configured.get("optimizer"))
-    if isinstance(configured, (list, tuple)) and configured:
-        return _first_optimizer(configured[0])
-    return None
-
-
-def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> int:
-    """Bytes of optimizer state per parameter, found by stepping a same-configured optimizer.
-
-    Works for any ``torch.optim`` optimizer (Adam: 2 states, SGD with momentum: 1, plain SGD: 0)
-    without a table of known classes.
-    """
-    probe = nn.Parameter(torch.zeros(4096, dtype=dtype))
-    probe.grad = torch.full_like(probe, 1e-3)
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
-    clone = type(optimizer)([probe], **defaults)
-    clone.step()
-    state = clone.state.get(probe, {})
-    return sum(t.numel() * t.element_size() for t in state.values()
-               if isinstance(t, torch.Tensor) and t.numel() == probe.numel()) // probe.numel()
 
 
 # ---------------------------------------------------------------------------------------------

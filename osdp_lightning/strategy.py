@@ -47,7 +47,9 @@ from osdp_lightning.clip import with_sharded_clipping
 from osdp_lightning.cluster import ClusterSpec, NodeTimings, live_cluster_spec, measure_node_collectives
 from osdp_lightning.fakestep import build_meta_module
 from osdp_lightning.faults import all_ranks_succeed, init_elastic_process_group
+from osdp_lightning.guards import preserved_rng
 from osdp_lightning.materialize import has_meta_tensors, materialize
+from osdp_lightning.optim_state import configured_optimizer
 from osdp_lightning.pipeline import (
     ProfileOptions,
     SolveOptions,
@@ -59,12 +61,7 @@ from osdp_lightning.pipeline import (
     whole_profile_fits,
 )
 from osdp_lightning.plan import Plan
-from osdp_lightning.profile import (
-    ModelProfile,
-    configured_optimizer,
-    is_profiling,
-    preserved_rng,
-)
+from osdp_lightning.profile import ModelProfile, is_profiling
 from osdp_lightning.replicate import build_replicate_reducer
 from osdp_lightning.report import format_comparison, log_plan
 from osdp_lightning.setup_inputs import (

@@ -35,15 +35,9 @@ from torch.utils._pytree import tree_map_only
 
 from osdp_lightning.estimate import estimate_profile
 from osdp_lightning.fakestep import build_fake_module, build_meta_module, fake_batch, fake_mode, step_runner
+from osdp_lightning.guards import preserved_rng
 from osdp_lightning.measure import measure_split_overheads, with_checkpoint_refusals
-from osdp_lightning.profile import (
-    ModelProfile,
-    UnitProfile,
-    logging_disabled,
-    loss_runner,
-    measure_units,
-    preserved_rng,
-)
+from osdp_lightning.profile import ModelProfile, UnitProfile, logging_disabled, loss_runner, measure_units
 from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS, UnitSpec, select_units
 
 BENCH_NAME = "unit"

@@ -26,12 +26,9 @@ from osdp_lightning.choices import choice_cost  # noqa: E402
 from osdp_lightning.cluster import ClusterSpec  # noqa: E402
 from osdp_lightning.cost import CostContext, all_reduce_s  # noqa: E402
 from osdp_lightning.measure import profile_lightning_module  # noqa: E402
+from osdp_lightning.optim_state import optimizer_state_bytes_per_param  # noqa: E402
 from osdp_lightning.plan import InfeasibleBudgetError  # noqa: E402
-from osdp_lightning.profile import (  # noqa: E402
-    ModelProfile,
-    UnitProfile,
-    optimizer_state_bytes_per_param,
-)
+from osdp_lightning.profile import ModelProfile, UnitProfile  # noqa: E402
 from osdp_lightning.units import select_units  # noqa: E402
 
 CLUSTER = ClusterSpec(world_size=2, memory_budget_bytes=2**40, collective_latency_s=1e-4,

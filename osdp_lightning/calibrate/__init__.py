@@ -30,7 +30,6 @@ from osdp_lightning.calibrate.bench import (
     STACK_WIDTHS,
     bench_specs,
     build_bench,
-    clone_optimizer,
     release_benches,
     time_benches,
     time_collective_sizes,
@@ -49,6 +48,7 @@ from osdp_lightning.calibrate.cache import (
 )
 from osdp_lightning.calibrate.fit import fit_terms
 from osdp_lightning.links import CollectiveTimings, least_time_s, measure_collectives
+from osdp_lightning.optim_state import clone_optimizer
 from osdp_lightning.step_terms import StepTerms
 
 QUIET_CPU_SHARE = 0.80

@@ -6,7 +6,6 @@ three widths, one unit per layer) under each calibrated family's bench choice
 from __future__ import annotations
 
 import gc
-import inspect
 import time
 import warnings
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from osdp_lightning.apply import Meshes, apply_plan
 from osdp_lightning.choices import REGISTRY, ChoiceFamily
 from osdp_lightning.choices.base import FamilyCalibration
 from osdp_lightning.links import synchronize
+from osdp_lightning.optim_state import clone_optimizer
 from osdp_lightning.plan import Plan, UnitPlan
 from osdp_lightning.step_terms import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from osdp_lightning.units import ROOT
@@ -123,13 +123,6 @@ def _stack_plan(depth: int, width: int, choice: str, root_choice: str, world: in
     return Plan(units=tuple(units), world_size=world, micro_batch_size=STACK_ROWS, memory_budget_bytes=2**40,
                 predicted_peak_bytes=0, predicted_step_s=0.0, predicted_throughput=0.0, activation_bytes=0,
                 solver_status="calibration", source="calibration")
-
-
-def clone_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """A new optimizer of ``optimizer``'s class and settings over ``params``."""
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
-    return type(optimizer)(params, **defaults)
 
 
 def build_bench(spec: BenchSpec, width: int, device: torch.device, meshes: Meshes,

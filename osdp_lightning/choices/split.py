@@ -35,14 +35,8 @@ from osdp_lightning.cost import (
     ceil_div,
     reduce_scatter_s,
 )
-from osdp_lightning.profile import (
-    ModelProfile,
-    UnitProfile,
-    logging_disabled,
-    loss_runner,
-    preserved_rng,
-    preserved_state,
-)
+from osdp_lightning.guards import preserved_rng, preserved_state
+from osdp_lightning.profile import ModelProfile, UnitProfile, logging_disabled, loss_runner
 from osdp_lightning.split import measure_split_overhead_s, shard_split_linear, split_linear_in_module
 from osdp_lightning.step_terms import Affine, GroupTerms
 

@@ -32,10 +32,11 @@ from osdp_lightning.cli.common import (
     write_json,
 )
 from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.optim_state import configured_optimizer
 from osdp_lightning.pipeline import ProfileOptions, batch_candidates, profile_model
 from osdp_lightning.plan import InfeasibleBudgetError, Plan, baseline_peak_bytes, make_plan
 from osdp_lightning.plot import try_plot_plan
-from osdp_lightning.profile import ModelProfile, configured_optimizer
+from osdp_lightning.profile import ModelProfile
 
 UNIT_OPTIONS = ("unit_module_types", "unit_name_patterns", "min_unit_params")
 

@@ -32,8 +32,9 @@ from osdp_lightning.choices import hsdp_choice, zero3_reshard_choice
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.dryrun import dry_run_plan, estimate_profile
 from osdp_lightning.fakestep import build_meta_module, fake_batch, fake_mode, step_runner
+from osdp_lightning.optim_state import configured_optimizer
 from osdp_lightning.plan import Plan
-from osdp_lightning.profile import ModelProfile, configured_optimizer, logging_disabled
+from osdp_lightning.profile import ModelProfile, logging_disabled
 
 RANKS_PER_NODE = 8
 PEAK_FLOPS = 3.12e14
