@@ -94,9 +94,3 @@ def measure_choice_overheads(module: nn.Module, batch: object | None, profile: M
     for family in REGISTRY.families.values():
         profile = family.measure(module, batch, profile, options, step_context)
     return profile
-
-
-def measure_split_overheads(module: nn.Module, batch: object | None, profile: ModelProfile, factors: Sequence[int],
-                            step_context: StepContext = contextlib.nullcontext) -> ModelProfile:
-    """:func:`measure_choice_overheads` for callers that hold only the split factors."""
-    return measure_choice_overheads(module, batch, profile, ChoiceOptions(split_factors=tuple(factors)), step_context)

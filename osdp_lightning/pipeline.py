@@ -26,7 +26,7 @@ from osdp_lightning.budget import MemoryBudget, format_budget, format_bytes
 from osdp_lightning.choices import Choice, ChoiceOptions, choice_space
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.fakestep import MIXED_PRECISION_DTYPES
-from osdp_lightning.measure import measure_split_overheads, profile_lightning_module
+from osdp_lightning.measure import measure_choice_overheads, profile_lightning_module
 from osdp_lightning.optim_state import configured_optimizer, optimizer_state_bytes_per_param
 from osdp_lightning.plan import Plan, baseline_peak_bytes, make_plan
 from osdp_lightning.profile import ModelProfile
@@ -122,7 +122,8 @@ def profile_model(module: nn.Module, batch: object, device: torch.device, option
                                        repeats=options.repeats, check_checkpointing=options.check_checkpointing,
                                        **units)
     if options.split_factors:
-        profile = measure_split_overheads(module, batch, profile, options.split_factors, step_context)
+        profile = measure_choice_overheads(module, batch, profile, ChoiceOptions(split_factors=options.split_factors),
+                                           step_context)
     return profile
 
 

@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from osdp_lightning import checkpoint as checkpoint_io
 from osdp_lightning.accumulate import check_accumulation, no_gradient_sync
-from osdp_lightning.apply import Meshes, apply_plan, build_meshes
+from osdp_lightning.apply import Meshes, apply_plan, build_meshes, connect_plan
 from osdp_lightning.budget import (
     default_memory_budget,
     device_memory_bytes,
@@ -62,7 +62,6 @@ from osdp_lightning.pipeline import (
 )
 from osdp_lightning.plan import Plan
 from osdp_lightning.profile import ModelProfile, is_profiling
-from osdp_lightning.replicate import build_replicate_reducer
 from osdp_lightning.report import format_comparison, log_plan
 from osdp_lightning.setup_inputs import (
     check_headroom,
@@ -296,7 +295,7 @@ class OSDPStrategy(ModelParallelStrategy):
                             self.root_device, seed)
             elif not self._profile_whole:
                 self._root.to(self.root_device)  # what no unit's fully_shard moved (replicated units)
-        build_replicate_reducer(self._root)  # a collective: only once every rank applied its part
+        connect_plan(self._root)  # a collective (replicate: DDP's reducer): once every rank applied its part
         self.model = self._root
         self.setup_s = {
             "calibrate_s": (self._timings.calibrate_s if self._timings else 0.0)

@@ -33,10 +33,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from osdp_lightning.choices import ChoiceOptions
 from osdp_lightning.estimate import estimate_profile
 from osdp_lightning.fakestep import build_fake_module, build_meta_module, fake_batch, fake_mode, step_runner
 from osdp_lightning.guards import preserved_rng
-from osdp_lightning.measure import measure_split_overheads, with_checkpoint_refusals
+from osdp_lightning.measure import measure_choice_overheads, with_checkpoint_refusals
 from osdp_lightning.profile import ModelProfile, UnitProfile, logging_disabled, loss_runner, measure_units
 from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS, UnitSpec, select_units
 
@@ -170,7 +171,8 @@ def measure_unit(template: nn.Module, spec: UnitSpec, call: tuple[tuple, dict], 
             profile = ModelProfile(units=tuple(units), micro_batch_size=1, param_bytes_per_element=4,
                                    grad_bytes_per_element=4, compute_bytes_per_element=4, reduce_bytes_per_element=4,
                                    optimizer_bytes_per_param=0, activation_bytes=0)
-            units = list(measure_split_overheads(bench, None, profile, split_factors, step_context).units)
+            options = ChoiceOptions(split_factors=tuple(split_factors))
+            units = list(measure_choice_overheads(bench, None, profile, options, step_context).units)
     except Exception as err:
         raise UnitMeasureError(
             f"osdp cannot measure unit {spec.name!r} ({type(unit).__name__}) apart from the model, which planning a "
