@@ -3,7 +3,7 @@
 Two ways to profile a model (both give a :class:`~osdp_lightning.profile.ModelProfile`):
 
 - **whole**: the real training step of the whole model on one device, timed per unit
-  (:func:`~osdp_lightning.profile.profile_lightning_module`). It holds about
+  (:func:`~osdp_lightning.measure.profile_lightning_module`). It holds about
   :data:`WHOLE_PROFILE_WEIGHT_COPIES` copies of the weights at once (the model, a saved copy of
   its state, its gradients) plus activations;
 - **from shapes**: a fake step for every byte, one real copy of each distinct unit for time
