@@ -1,6 +1,7 @@
 """The largest GPT each strategy trains under one enforced per-rank memory limit, and how fast.
 
     ./dev bench capacity [--limit 480MiB] [--layers 2,3,4,5,6,8,10] [--methods ddp,fsdp2,fsdp2-ckpt,osdp]
+    ./dev bench capacity --methods fsdp2-ckpt,osdp --paired 3,5 --rounds 3    # speed where both train
 
 For one width (``--n-embd``, default 768) and more and more layers, every method trains a few
 steps on 2 ranks (:mod:`benchmarks.compare_worker`), each rank under ``RLIMIT_DATA`` = the limit
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -46,6 +48,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
     parser.add_argument("--out-dir", default="bench_out/capacity")
+    parser.add_argument("--paired", default=None, metavar="SIZES",
+                        help="instead: throughput of the methods at these layer counts, --rounds rounds in rotated "
+                             "order, paired ratios to the first method (no RLIMIT_DATA; osdp at the same budget)")
+    parser.add_argument("--rounds", type=int, default=3)
     return parser.parse_args(argv)
 
 
@@ -81,10 +87,35 @@ def fixed_cost_bytes(method: str, args: argparse.Namespace, work: Path) -> int:
     return int(record["process"]["VmData"])
 
 
+def paired(args: argparse.Namespace, work: Path) -> str:
+    """Tokens/s of each method at each size, rounds in rotated order; ratios to the first method
+    paired round by round (a slow round slows both), medians over rounds."""
+    methods = args.methods.split(",")
+    budget = int(args.osdp_budget_fraction * parse_bytes(args.limit))
+    lines = [f"| layers | {methods[0]} tok/s (median) | " + " | ".join(f"{m} x {methods[0]} (rounds)" for m in methods[1:])
+             + " |", "|" + "---|" * len(methods) + "---|"]
+    for layers in (int(x) for x in args.paired.split(",")):
+        speed: dict[str, list[float]] = {m: [] for m in methods}
+        for r in range(args.rounds):
+            for method in methods[r % len(methods):] + methods[:r % len(methods)]:
+                record = worker(method, layers, args.n_embd, args.n_head, args, work, None, budget)
+                speed[method].append(record["summary"]["tokens_per_s"] if record.get("status") == "ok" else float("nan"))
+                print(f"round {r} {method} {layers} layers: {describe(record)}", flush=True)
+        ratios = {m: [a / b for a, b in zip(speed[m], speed[methods[0]], strict=True)] for m in methods[1:]}
+        lines.append(f"| {layers} | {statistics.median(speed[methods[0]]):.0f} | " + " | ".join(
+            f"**{statistics.median(v):.3f}x** ({', '.join(f'{x:.2f}' for x in v)})" for v in ratios.values()) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(args.out_dir)
     work.mkdir(parents=True, exist_ok=True)
+    if args.paired:
+        table = paired(args, work)
+        (work / "paired.md").write_text(f"commit {source_commit()}, load average {load_average()}\n\n{table}\n")
+        print(table)
+        return 0
     limit = parse_bytes(args.limit)
     sizes = [int(x) for x in args.layers.split(",")]
     results: dict[str, dict[int, dict[str, Any]]] = {}
