@@ -142,12 +142,15 @@ def _measure_step(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
 
 
 def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[], torch.Tensor],
-                  device: torch.device, repeats: int = 3) -> tuple[list[UnitProfile], int, float]:
+                  device: torch.device, repeats: int = 3, activation_peak: bool = True,
+                  ) -> tuple[list[UnitProfile], int, float]:
     """Profile ``run_loss`` (forward returning a loss) plus backward ``repeats`` times.
 
     Returns the unit profiles in execution order (root last), the activation bytes (saved for
     backward, or the measured peak of activations and temporaries if larger) and the median step
-    seconds. Gradients, buffers and RNG state are restored afterwards.
+    seconds. Gradients, buffers and RNG state are restored afterwards. ``activation_peak=False``
+    skips the tracked step that measures the activation peak and backward rises (a caller that has
+    its bytes from elsewhere; on CPU, ``MemTracker`` keeps the tensors of the step it tracked alive).
     """
     nested = [*specs, *(part for s in specs for part in s.parts)]  # a block and its parts: one run
     with preserved_state(root):
@@ -160,7 +163,7 @@ def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
         for _ in range(repeats):
             samples.append(_measure_step(root, nested, run_loss, device))
             root.zero_grad(set_to_none=True)
-        peak_bytes, rises = measure_activation_peak(root, run_loss, device)
+        peak_bytes, rises = measure_activation_peak(root, run_loss, device) if activation_peak else (0, {})
         root.zero_grad(set_to_none=True)
     first = samples[0]
     by_name = {s.name: s for s in nested}

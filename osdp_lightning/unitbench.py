@@ -164,7 +164,8 @@ def measure_unit(template: nn.Module, spec: UnitSpec, call: tuple[tuple, dict], 
     run_loss = loss_runner(bench, None, step_context)
     renamed = _renamed(spec, prefix)
     try:
-        units, _, _ = measure_units(bench, [renamed], run_loss, device, repeats)
+        # NOTE: bytes come from the fake step; only seconds are measured here.
+        units, _, _ = measure_units(bench, [renamed], run_loss, device, repeats, activation_peak=False)
         if check_checkpointing:
             units = with_checkpoint_refusals(bench, units, run_loss)
         if split_factors:
