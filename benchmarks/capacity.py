@@ -35,10 +35,9 @@ METHODS = ("ddp", "fsdp2", "fsdp2-ckpt", "osdp")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", default="480MiB", help="per-rank memory limit")
-    parser.add_argument("--osdp-budget-fraction", type=float, default=0.92,
-                        help="osdp's memory_budget as a share of the limit: its budget counts the step's tensors; "
-                             "what no tracker sees (gloo, autograd, the allocator) needs the rest, as CUDA's "
-                             "default budget (92%% of the device) leaves it")
+    parser.add_argument("--osdp-budget-fraction", type=float, default=0.96,
+                        help="osdp's memory_budget as a share of the limit: the budget counts the step's tensors, "
+                             "and what no tracker sees (gloo, autograd, the allocator) needs some of the rest")
     parser.add_argument("--layers", default="2,3,4,5,6,8,10", help="sizes to try, ascending")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--n-embd", type=int, default=768)
