@@ -74,7 +74,7 @@ def materialize(root: nn.Module, module: nn.Module, template: nn.Module, units: 
         for group in groups:
             names = [n for n in holders if owner_of[n] == group]
             with _materialized(template, names, device):
-                _reset_all(template)
+                reset_parameters_post_order(template)
                 _check_initialised(template, names)
                 for name in names:
                     _load_module(module.get_submodule(name), holders[name])
@@ -120,7 +120,7 @@ def _sentinel_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return new.fill_(True if new.dtype == torch.bool else torch.iinfo(new.dtype).max)
 
 
-def _reset_all(template: nn.Module) -> None:
+def reset_parameters_post_order(template: nn.Module) -> None:
     """Every module's ``reset_parameters()``, children before parents."""
     with torch.no_grad():
         for m in _post_order(template):
