@@ -228,7 +228,7 @@ def _save_pricing(trainer: L.Trainer, path: Path) -> None:
     """The profile and cluster the plan was priced with, as objects: benchmarks/regret.py prices other plans with them."""
     strategy = trainer.strategy
     if isinstance(strategy, OSDPStrategy) and strategy.profile is not None:
-        path.write_bytes(pickle.dumps({"profile": strategy.profile, "cluster": strategy._cluster_spec()}))
+        path.write_bytes(pickle.dumps({"profile": strategy.profile, "cluster": strategy.cluster_spec()}))
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from osdp_lightning.apply import apply_plan, build_meshes
 from osdp_lightning.choices import BASE_CHOICES
 from osdp_lightning.measure import profile_lightning_module
 from osdp_lightning.plan import InfeasibleBudgetError, Plan
-from osdp_lightning.strategy import _RootWrapper
+from osdp_lightning.strategy import RootWrapper
 
 
 def build_module(layers: int, hidden: int, seq: int) -> GPTLitModule:
@@ -53,7 +53,7 @@ def measured_peak(module: GPTLitModule, plan: Plan, batch: dict, device: torch.d
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     module.log = lambda *a, **k: None  # no Trainer here
-    root = _RootWrapper(module)
+    root = RootWrapper(module)
     apply_plan(module, root, plan, build_meshes(device.type, plan.world_size))
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
 

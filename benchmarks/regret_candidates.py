@@ -23,7 +23,7 @@ from osdp_lightning.choice_table import build_choice_table
 from osdp_lightning.choices import ChoiceOptions, choice_space
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.cost import ChoiceTable
-from osdp_lightning.plan import InfeasibleBudgetError, Plan, _assemble, make_plan
+from osdp_lightning.plan import InfeasibleBudgetError, Plan, assemble_plan, make_plan
 from osdp_lightning.profile import ModelProfile, with_units
 from osdp_lightning.solve import next_best_solutions, peak_bytes
 
@@ -86,8 +86,8 @@ class Pricing:
                                    headroom_bytes=int(budget_bytes * PLAN_HEADROOM_FRACTION))
 
     def candidate(self, name: str, kind: str, choices: tuple[str, ...], budget_bytes: int) -> Candidate:
-        # NOTE: plan._assemble is how make_plan turns an assignment into a Plan; reused, not copied.
-        plan = _assemble(self.table, self.units, self.cluster_at(budget_bytes), tuple(choices), status="Fixed",
+        # NOTE: plan.assemble_plan is how make_plan turns an assignment into a Plan; reused, not copied.
+        plan = assemble_plan(self.table, self.units, self.cluster_at(budget_bytes), tuple(choices), status="Fixed",
                          solve_s=0.0, gap=None, source=f"regret:{name}")
         return Candidate(name, kind, plan)
 

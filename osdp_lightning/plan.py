@@ -243,7 +243,7 @@ def fixed_plan(profile: ModelProfile, cluster: ClusterSpec, assignment: tuple[st
     exactly ``profile``'s units (hand-made plans and benchmarks' candidates; :func:`make_plan` also
     searches unit sets)."""
     table = build_choice_table(profile, cluster, profile.micro_batch_size, choices=tuple(sorted(set(assignment))))
-    return _assemble(table, profile, cluster, tuple(assignment), status="Fixed", solve_s=0.0, gap=None, source=source)
+    return assemble_plan(table, profile, cluster, tuple(assignment), status="Fixed", solve_s=0.0, gap=None, source=source)
 
 
 def _best_solved_plan(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: ClusterSpec,
@@ -350,7 +350,7 @@ def _uniform_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpe
     # is never checkpointed), else replicate (a split on a non-Linear).
     fallbacks = (choice, str(parse(choice).base), str(REPLICATE))
     assignment = tuple(next(c for c in fallbacks if c in {o.choice for o in unit.choices}) for unit in table.units)
-    return _assemble(table, profile, cluster, assignment, status="Fixed", solve_s=0.0, gap=None,
+    return assemble_plan(table, profile, cluster, assignment, status="Fixed", solve_s=0.0, gap=None,
                      source=f"uniform:{choice}")
 
 
@@ -359,11 +359,11 @@ def _solved_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpec
     solution = solve_choice_table(table, cluster.usable_bytes, time_limit_s=time_limit_s)
     if not solution.feasible:
         return None
-    return _assemble(table, profile, cluster, solution.choices, status=solution.status,
+    return assemble_plan(table, profile, cluster, solution.choices, status=solution.status,
                      solve_s=solution.solve_s, gap=solution.gap, source="solved")
 
 
-def _assemble(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpec, assignment: tuple[str, ...],
+def assemble_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpec, assignment: tuple[str, ...],
               *, status: str, solve_s: float, gap: float | None, source: str) -> Plan:
     units = []
     for unit_costs, unit_profile, choice in zip(table.units, profile.units, assignment, strict=True):

@@ -77,7 +77,7 @@ from osdp_lightning.step_terms import StepTerms, default_loop_step_s
 from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS
 
 
-class _RootWrapper(nn.Module):
+class RootWrapper(nn.Module):
     """The outermost module. FSDP2 makes it the root, so its hooks run around ``training_step``
     (Lightning redirects ``*_step`` calls through the wrapper's forward)."""
 
@@ -164,7 +164,7 @@ class OSDPStrategy(ModelParallelStrategy):
         self._timings: CollectiveTimings | None = None
         self._node_timings: NodeTimings | None = None
         self._meshes: Meshes | None = None
-        self._root: _RootWrapper | None = None
+        self._root: RootWrapper | None = None
         self.setup_s: dict[str, float] = {}
         """Seconds spent at setup: calibrate, profile, solve, apply (rank 0's figures)."""
 
@@ -284,7 +284,7 @@ class OSDPStrategy(ModelParallelStrategy):
         log_plan(trainer, self._plan)
         apply_start = time.perf_counter()
         self._meshes = self._meshes or build_meshes(self.root_device.type, self.world_size)
-        self._root = _RootWrapper(module)
+        self._root = RootWrapper(module)
         meta = has_meta_tensors(module)
         template = build_meta_module(module) if meta else None  # the unsharded layout, for initialising
         seed = self.broadcast(int(torch.randint(2**62, ()).item()))  # the same initial values on every rank
@@ -367,7 +367,7 @@ class OSDPStrategy(ModelParallelStrategy):
             check_checkpointing=self.choice_options.activation_checkpointing != "never",
             precision=str(trainer.precision))
         if not self._profile_whole and not (self.memory_budget is not None and self.memory_budget.needs_profile):
-            check_setup_fits(module, options, self._cluster_spec().memory_budget_bytes)
+            check_setup_fits(module, options, self.cluster_spec().memory_budget_bytes)
         profile = profile_model(module, batch, self.root_device, options, whole=self._profile_whole,
                                 optimizer=configured_optimizer(module),
                                 step_context=self.precision_plugin.train_step_context)
@@ -380,7 +380,7 @@ class OSDPStrategy(ModelParallelStrategy):
         if self.root_device.type == "cuda":  # the caching allocator's slack at the profiled peak
             allocated = torch.cuda.max_memory_allocated(self.root_device)
             self._fragmentation = torch.cuda.max_memory_reserved(self.root_device) / allocated - 1 if allocated else None
-        cluster, baseline_peak = resolved_cluster(profile, self._cluster_spec, self.memory_budget)
+        cluster, baseline_peak = resolved_cluster(profile, self.cluster_spec, self.memory_budget)
         if baseline_peak is not None and self.memory_budget is not None:  # e.g. "95%ddp"
             rank_zero_info(f"osdp: memory budget {self.memory_budget.text} = "
                            f"{format_bytes(cluster.memory_budget_bytes)} per rank (the uniform "
@@ -394,7 +394,9 @@ class OSDPStrategy(ModelParallelStrategy):
                            f"({plan.predicted_peak_bytes} > {cluster.memory_budget_bytes} bytes)")
         return profile, plan
 
-    def _cluster_spec(self, budget: int | None = None) -> ClusterSpec:
+    def cluster_spec(self, budget: int | None = None) -> ClusterSpec:
+        """The cluster plans are priced on: this run's links, step terms and headroom, at ``budget``
+        bytes per rank (default: the strategy's budget of the device)."""
         if budget is None and self.memory_budget is not None:
             budget = self.memory_budget.of_device(device_memory_bytes(self.root_device, self.num_processes))
         budget = budget or default_memory_budget(self.root_device, self.num_processes)
