@@ -35,8 +35,11 @@ def inject(stage: str) -> None:
     if stage == "profile":
         def failing_profile(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             raise RuntimeError(f"{INJECTED} (profiling on rank {dist.get_rank()})")
-        strategy_module.profile_lightning_module = failing_profile
+        # NOTE: the name the strategy calls; a rename must fail here, not leave the fault uninjected
+        assert hasattr(strategy_module, "profile_model"), "the strategy no longer profiles through profile_model"
+        strategy_module.profile_model = failing_profile
     elif stage == "apply":
+        assert hasattr(strategy_module, "apply_plan"), "the strategy no longer applies plans through apply_plan"
         real_apply = strategy_module.apply_plan
 
         def apply_failing_on_rank_1(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
