@@ -35,6 +35,7 @@ from torch.distributed.fsdp import fully_shard
 
 import osdp_lightning  # noqa: F401  (registers strategy="osdp")
 from osdp_lightning import InfeasibleBudgetError, OSDPStrategy, TrainingSummary
+from osdp_lightning.callbacks import process_status_bytes
 from osdp_lightning.choices import BASELINES, resolve
 from osdp_lightning.shutdown import release_at_exit
 
@@ -202,16 +203,6 @@ def _lightning_record(trainer: L.Trainer, record: dict[str, Any], summary: Train
     return record
 
 
-def process_memory() -> dict[str, int]:
-    """This process's resident high-water mark and data segment (``VmHWM``, ``VmData``) in bytes."""
-    fields = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmHWM", "VmData"):
-            fields[key] = int(value.split()[0]) * 1024
-    return fields
-
-
 def _choice_counts(plan: osdp_lightning.Plan) -> dict[str, int]:
     counts: dict[str, int] = {}
     for unit in plan.units:
@@ -241,7 +232,7 @@ def main() -> None:
     if args.rlimit_data is not None:
         resource.setrlimit(resource.RLIMIT_DATA, (args.rlimit_data, args.rlimit_data))
     trainer, record = run(args)
-    record["process"] = process_memory()
+    record["process"] = process_status_bytes("VmHWM", "VmData")
     if trainer.global_rank == 0:
         Path(args.out).write_text(json.dumps(record, indent=1, default=str) + "\n")
         _save_pricing(trainer, Path(args.out).with_suffix(".pkl"))

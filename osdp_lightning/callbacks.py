@@ -171,14 +171,21 @@ def process_peak_bytes(device: torch.device) -> int:
     resident set's (``VmHWM``; ``ru_maxrss`` where /proc is missing)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    status = process_status_bytes("VmHWM")
+    if "VmHWM" in status:
+        return status["VmHWM"]
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def process_status_bytes(*fields: str) -> dict[str, int]:
+    """Fields of ``/proc/self/status`` given in kB (``VmHWM``, ``VmData``, ...) in bytes; ``{}`` without /proc."""
     try:
         with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+            lines = status.read().splitlines()
     except OSError:
-        pass
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        return {}
+    found = (line.partition(":") for line in lines)
+    return {key: int(value.split()[0]) * 1024 for key, _, value in found if key in fields}
 
 
 def _first_tensor(batch: Any) -> torch.Tensor | None:

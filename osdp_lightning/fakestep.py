@@ -59,19 +59,26 @@ def build_fake_module(model: ModelSource, mode: FakeTensorMode) -> nn.Module:
     and every byte count that dedupes storages would count them twice.
     """
     module = build_meta_module(model)
+    with mode:
+        to_empty_keeping_ties(module, "cpu")
+    return module
+
+
+def to_empty_keeping_ties(module: nn.Module, device: torch.device | str) -> None:
+    """``module.to_empty(device=device)``, with tied parameters tied again afterwards.
+
+    NOTE: to_empty gives each holder of a tied parameter its own new one (meta and fake tensors
+    cannot share a set_data).
+    """
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
     for owner in module.modules():
         for name, param in owner._parameters.items():
             if param is not None:
                 holders.setdefault(id(param), []).append((owner, name))
-    with mode:
-        module.to_empty(device="cpu")
-    # NOTE: to_empty gives each holder of a tied parameter its own new one (meta and fake tensors
-    # cannot share a set_data); tie them again.
+    module.to_empty(device=device)
     for (first, first_name), *others in holders.values():
         for owner, name in others:
-            setattr(owner, name, getattr(first, first_name))
-    return module
+            owner._parameters[name] = first._parameters[first_name]
 
 
 def build_meta_module(model: ModelSource) -> nn.Module:

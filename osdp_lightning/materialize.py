@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from osdp_lightning.canonical import fill_like
+from osdp_lightning.fakestep import to_empty_keeping_ties
 from osdp_lightning.units import ROOT
 
 
@@ -62,9 +63,7 @@ def materialize(root: nn.Module, module: nn.Module, template: nn.Module, units: 
     Raises :class:`UninitializedModuleError` on every rank alike (the template and seed are the same
     everywhere) before any collective.
     """
-    ties = _tied_holders(root)
-    root.to_empty(device=device)
-    _retie(ties)
+    to_empty_keeping_ties(root, device)
     holders = {name: m for name, m in template.named_modules() if _direct_tensors(m)}
     owner_of = unit_of_module(list(holders), units)
     groups = sorted(set(owner_of.values()))
@@ -170,19 +169,3 @@ def _load_module(live: nn.Module, source: nn.Module) -> None:
         for key, value in source._buffers.items():
             if value is not None and key not in persistent:
                 live.get_buffer(key).copy_(value)
-
-
-def _tied_holders(root: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    holders: dict[int, list[tuple[nn.Module, str]]] = {}
-    for owner in root.modules():
-        for name, param in owner._parameters.items():
-            if param is not None:
-                holders.setdefault(id(param), []).append((owner, name))
-    return [h for h in holders.values() if len(h) > 1]
-
-
-def _retie(ties: list[list[tuple[nn.Module, str]]]) -> None:
-    # NOTE: to_empty gives each holder of a tied parameter its own new one (meta tensors cannot share a set_data).
-    for (first, first_name), *others in ties:
-        for owner, name in others:
-            owner._parameters[name] = first._parameters[first_name]

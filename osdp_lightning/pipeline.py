@@ -54,8 +54,10 @@ class ProfileOptions:
     """Lightning's ``precision`` flag (the fake step of a profile from shapes needs it)."""
 
 
-def weight_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+def weight_bytes(module: nn.Module, names: Sequence[str] = ("",)) -> int:
+    """Bytes of the parameters of the named submodules (the whole module by default), tied ones once."""
+    params = {id(p): p for name in names for p in module.get_submodule(name).parameters()}
+    return sum(p.numel() * p.element_size() for p in params.values())
 
 
 def budget_floor_bytes(module: nn.Module, budget: MemoryBudget, device_bytes: int, world_size: int) -> int:
@@ -85,7 +87,7 @@ def check_setup_fits(module: nn.Module, options: ProfileOptions, budget_bytes: i
     """Raise before anything is placed when the budget cannot hold the profile from shapes itself:
     one whole copy of the largest unit, with its gradients and a saved copy of its state."""
     specs = select_units(module, options.unit_module_types, options.unit_name_patterns, options.min_unit_params)
-    sizes = {s.name: _unit_weight_bytes(module, s.module_names) for s in specs}
+    sizes = {s.name: weight_bytes(module, s.module_names) for s in specs}
     if not sizes:
         return
     largest = max(sizes, key=sizes.__getitem__)
@@ -96,11 +98,6 @@ def check_setup_fits(module: nn.Module, options: ProfileOptions, budget_bytes: i
             f"measuring its largest unit {largest!r} ({format_bytes(sizes[largest])} of weights) takes about "
             f"{WHOLE_PROFILE_WEIGHT_COPIES}x that; give at least memory_budget='{format_budget(need)}' (training needs "
             "more), or make the units smaller (unit_module_types=... / unit_name_patterns=...)")
-
-
-def _unit_weight_bytes(module: nn.Module, names: Sequence[str]) -> int:
-    params = {id(p): p for name in names for p in module.get_submodule(name).parameters()}  # tied: once
-    return sum(p.numel() * p.element_size() for p in params.values())
 
 
 def profile_model(module: nn.Module, batch: object, device: torch.device, options: ProfileOptions, *,

@@ -285,9 +285,10 @@ class OSDPStrategy(ModelParallelStrategy):
         apply_start = time.perf_counter()
         self._meshes = self._meshes or build_meshes(self.root_device.type, self.world_size)
         self._root = RootWrapper(module)
-        meta = has_meta_tensors(module)
-        template = build_meta_module(module) if meta else None  # the unsharded layout, for initialising
-        seed = self.broadcast(int(torch.randint(2**62, ()).item()))  # the same initial values on every rank
+        # NOTE: every rank built the same model, so every rank takes this branch alike (the broadcast
+        # is a collective): the unsharded layout, for initialising, and one seed for every rank's values.
+        template = build_meta_module(module) if has_meta_tensors(module) else None
+        seed = self.broadcast(int(torch.randint(2**62, ()).item())) if template is not None else 0
         with all_ranks_succeed("applying the osdp plan"):  # no rank waits for a failed one
             apply_plan(module, self._root, self._plan, self._meshes, build_reducer=False)
             if template is not None:
