@@ -80,10 +80,11 @@ def test_osdp_train_under_a_budget_ddp_exceeds(tmp_path: Path, cli_here: CliHere
 
 @pytest.mark.multiprocess
 def test_sweep_runs_every_recipe_with_osdp_and_summarises(tmp_path: Path) -> None:
-    """The BERT and T5 recipes at tiny size train with strategy=osdp on 2 ranks; one row per job (the
-    GPT recipe trains through the same command line in the main job's test)."""
+    """The BERT and T5 recipes at tiny size, built on the meta device (``meta_init=true``), train with
+    strategy=osdp on 2 ranks; one row per job (the GPT recipe trains through the same command line,
+    built eagerly, in the main job's test)."""
     proc = run_cli("train", "-m", "model=bert_tiny,t5_tiny", "strategy=osdp", "cluster=cpu_2",
-                   "trainer=smoke", "cluster.memory_budget=1GiB", cwd=tmp_path)
+                   "trainer=smoke", "cluster.memory_budget=1GiB", "meta_init=true", cwd=tmp_path)
     check_ok(proc)
     sweep_dir = only_dir(tmp_path / "multirun")
     rows = list(csv.DictReader((sweep_dir / "sweep_summary.csv").open()))
@@ -94,6 +95,7 @@ def test_sweep_runs_every_recipe_with_osdp_and_summarises(tmp_path: Path) -> Non
         assert int(row["memory_budget_bytes"]) == 2**30 and float(row["final_loss"]) < 6.5
     markdown = (sweep_dir / "sweep_summary.md").read_text()
     assert markdown.count("| ok |") == 2 and "sweep summary: 2 jobs" in proc.stdout
+    assert (proc.stdout + proc.stderr).count("profiled from shapes") == 2  # each job planned its meta-built model
     for job in ("0", "1"):
         assert (sweep_dir / job / "csv" / "metrics.csv").exists() and (sweep_dir / job / "plan.json").exists()
 
@@ -118,6 +120,22 @@ def test_unknown_model_lists_the_available_ones(tmp_path: Path, cli_here: CliHer
     assert run.returncode != 0
     assert "Could not find 'model/gpt_huge'" in run.stderr
     assert "gpt_tiny" in run.stderr and "t5_large" in run.stderr
+
+
+def test_meta_init_with_a_strategy_that_cannot_materialize_is_refused(tmp_path: Path) -> None:
+    """Every strategy of conf/ is osdp; one a user names instead cannot build on the meta device."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from osdp_lightning.cli.train import train
+
+    with initialize_config_module("osdp_lightning.conf", version_base="1.3"):
+        cfg = compose("train", overrides=["meta_init=true", "trainer=smoke", f"output_dir={tmp_path}"])
+    OmegaConf.set_struct(cfg, False)
+    cfg.strategy = {"_target_": "lightning.pytorch.strategies.DDPStrategy"}
+    with pytest.raises(ValueError, match="meta_init=true builds the model on the meta device, which only "
+                                         "strategy=osdp materializes; got strategy DDPStrategy"):
+        train(cfg)
 
 
 def test_unknown_cluster_lists_the_available_ones(tmp_path: Path, cli_here: CliHere) -> None:

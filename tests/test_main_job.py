@@ -40,3 +40,6 @@ def test_main_job_shows_a_mixed_plan_its_comparison_picture_and_logged_predictio
     assert float(logged["osdp/measured_step_s"]) == pytest.approx(summary["step_s"])
     assert float(logged["osdp/peak_error"]) == pytest.approx(plan["predicted_peak_bytes"] / summary["peak_bytes"] - 1)
     assert float(logged["osdp/step_error"]) == pytest.approx(summary["step_error"])
+    # the process's high-water marks beside the tracked step: after setup, then over the whole run
+    assert summary["process_peak_bytes"] >= summary["setup_peak_bytes"] > summary["peak_bytes"]
+    assert "high-water mark per rank (process resident set, interpreter included): after setup" in out

@@ -2,6 +2,7 @@
 
     osdp-train model=gpt_tiny cluster=cpu_2 strategy=osdp
     osdp-train -m model=gpt_tiny,bert_tiny strategy=osdp,zero3 cluster=cpu_2
+    osdp-train experiment=cpu_meta_gpt      # meta_init=true: built on the meta device, sharded, then materialized
 
 One run: Hydra composes the config; Lightning's subprocess launcher starts the other ranks by
 re-running this command line with the same ``hydra.run.dir``. Each rank writes into that
