@@ -121,8 +121,9 @@ class OSDPStrategy(ModelParallelStrategy):
             miss, 3.4%), on CUDA 4% plus the allocator's fragmentation measured while profiling
             (:func:`osdp_lightning.budget.plan_headroom_bytes`).
         calibration_cache: Reuse the step-time terms measured earlier on this machine: the median of
-            its last three calibrations; the first three launches each measure and add theirs
-            (``~/.cache/osdp_lightning``, or ``$OSDP_LIGHTNING_CACHE_DIR``); ``False`` measures anew.
+            its last three calibrations (``$OSDP_LIGHTNING_CALIBRATION_DRAWS`` to change how many); the
+            first launches each measure and add theirs (``~/.cache/osdp_lightning``, or
+            ``$OSDP_LIGHTNING_CACHE_DIR``; one file per process group and optimizer); ``False`` measures anew.
         save_distributed_checkpoint: Sharded (default) or one consolidated checkpoint file.
     """
 

@@ -126,9 +126,12 @@ def train(tmp_path: Path):
 
 @pytest.fixture(autouse=True, scope="session")
 def _calibration_cache_in_a_temporary_directory(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Step-term calibrations of this session (every 2-rank run inherits the variable) are cached in
-    a temporary directory: a test neither reads nor leaves the machine's ``~/.cache/osdp_lightning``."""
+    """Step-term calibrations of this session (every 2-rank run inherits the variables) are cached in
+    a temporary directory: a test neither reads nor leaves the machine's ``~/.cache/osdp_lightning``.
+    The first quiet calibration of each key is trusted (three by default): every later launch that
+    plans reads it instead of spending 3 s measuring (tests of the cache itself set their own)."""
     os.environ["OSDP_LIGHTNING_CACHE_DIR"] = str(tmp_path_factory.mktemp("osdp_calibration"))
+    os.environ["OSDP_LIGHTNING_CALIBRATION_DRAWS"] = "1"
 
 
 @pytest.fixture(autouse=True)

@@ -12,18 +12,18 @@ was +4.5% / +0.7% before that, right for the wrong reasons)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from ckpt_launch import run_alone
 
 SCRIPT = Path(__file__).parent / "scripts" / "dryrun_memcheck.py"
 
 
 def test_dry_run_memory_matches_fsdp_mem_tracker(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", "toy_gpt", "--world-sizes", "8", "64",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    done = run_alone([str(SCRIPT), "--model", "toy_gpt", "--world-sizes", "8", "64", "--out", str(out)],
+                     tmp_path / "log", 600, cwd=tmp_path)
+    assert done.returncode == 0, done.log[-9000:]
     rows = json.loads(out.read_text())
     plans = {(r["world_size"], r["plan"]) for r in rows}
     assert {(64, "hsdp(g=8)"), (64, "zero3(reshard=8)"), (8, "solved"), (64, "solved")} <= plans

@@ -16,10 +16,11 @@ from rank_pool import RankPool  # noqa: E402
 pytestmark = pytest.mark.multiprocess
 
 
-def probe(pool: RankPool, tmp_path: Path, name: str, *flags: str, timeout_s: float = 120) -> tuple[object, list[dict]]:
+def probe(pool: RankPool, tmp_path: Path, name: str, *flags: str, timeout_s: float = 120,
+          alone: bool = False) -> tuple[object, list[dict]]:
     out = tmp_path / name
     code = pool.run([script("pool_probe.py"), "--out", str(out), *flags], tmp_path / f"{name}.log", timeout_s,
-                    cwd=tmp_path, env={"PATH": "/usr/bin:/bin"}, grace_s=5)
+                    cwd=tmp_path, env={"PATH": "/usr/bin:/bin"}, grace_s=5, alone=alone)
     states = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)
               if Path(f"{out}.rank{r}.json").exists()]
     return code, states
@@ -36,6 +37,9 @@ def test_scenarios_start_fresh_and_failures_restart_the_ranks(tmp_path: Path) ->
         code, after = probe(pool, tmp_path, "after")
         assert code == 0
         assert after == first  # the same processes, in the state they had before the first scenario
+        code, alone = probe(pool, tmp_path, "alone", "--alone", alone=True)  # rank 0 as a single process
+        assert code == 0 and alone == [{**first[0], "rank_var": None}]
+        assert [s["rank_var"] for s in first] == ["0", "1"]
 
         code, _ = probe(pool, tmp_path, "fail", "--fail")
         assert code == 1 and "the probe fails on rank 1" in (tmp_path / "fail.log").read_text()

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from ckpt_launch import run_logged, run_ranks, script  # noqa: E402
+from ckpt_launch import run_alone, run_ranks, script  # noqa: E402
 from ckpt_plans import MIXED, OTHER, fixed_plan  # noqa: E402
 from toy_models import MLP  # noqa: E402
 
@@ -49,7 +49,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "f": ["--steps", "20", "--budget", "1GiB", "--resume", str(work / "ckpt_e" / "step=15.ckpt")],
     }
     for name, args in chain.items():
-        launch = run_logged if "--devices" in args else run_ranks  # one process, or 2 ranks started together
+        launch = run_alone if "--devices" in args else run_ranks  # one process, or 2 ranks started together
         done = launch([script("ckpt_run.py"), *args, "--out", name], work / f"{name}.log", 240, cwd=work)
         assert done.returncode == 0, f"run {name} failed:\n{done.log[-6000:]}"
     return work

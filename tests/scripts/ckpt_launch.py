@@ -85,6 +85,18 @@ def run_ranks(args: list[str], log_path: Path, timeout_s: float, cwd: Path | Non
     return Finished(-9 if code == "timeout" else int(code), time.monotonic() - start, log_path.read_text(), [])
 
 
+def run_alone(args: list[str], log_path: Path, timeout_s: float, cwd: Path | None = None,
+              env: dict[str, str] | None = None) -> Finished:
+    """Run ``python <args>`` as one process (no process group from the launch): in rank 0 of the
+    session's pool, or a fresh process (:func:`run_logged`) under ``OSDP_TEST_POOL=0``."""
+    if os.environ.get("OSDP_TEST_POOL", "1") == "0":
+        return run_logged(args, log_path, timeout_s, cwd=cwd, env=env)
+    start = time.monotonic()
+    code = pool().run(list(args), log_path, timeout_s, cwd=cwd or SCRIPTS, env={**os.environ, **(env or {})},
+                      alone=True)
+    return Finished(-9 if code == "timeout" else int(code), time.monotonic() - start, log_path.read_text(), [])
+
+
 def run_ranks_in_pool(cmd: list[str], log_path: Path, timeout_s: float, env: Mapping[str, str] | None = None,
                       ranks: int = 2, cwd: Path | None = None, grace_s: float = 30.0) -> int | str:
     """:func:`benchmarks.launch.run_ranks` (same arguments and result), its 2 ranks in the pool: what a

@@ -1,13 +1,14 @@
 """A scenario for the rank pool's own test: report the process state a scenario starts with, and
 optionally change it, fail on one rank, or hang.
 
-    python pool_probe.py --out state.json [--mutate | --fail | --hang]
+    python pool_probe.py --out state.json [--mutate | --fail | --hang | --alone]
 
 Every rank writes ``<out>.rank<r>.json``: its pid, the environment variable ``PROBE_VAR``, the thread
 count, the first number torch's generator draws, whether a process group is up, whether
 ``torch.distributed.all_reduce`` is torch's own, and ``osdp_lightning.calibrate.CACHE_DRAWS``.
 ``--mutate`` then changes each of them (and leaves its process group up); ``--fail`` raises on rank
-1 while rank 0 waits for it in a barrier; ``--hang`` sleeps.
+1 while rank 0 waits for it in a barrier; ``--hang`` sleeps; ``--alone`` (one process, no
+process-group variables) reports and ends.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ TORCH_ALL_REDUCE = dist.distributed_c10d.all_reduce
 
 def state() -> dict:
     return {"pid": os.getpid(), "probe_var": os.environ.get("PROBE_VAR"), "threads": torch.get_num_threads(),
-            "first_draw": torch.rand(1).item(), "group_up": dist.is_initialized(),
+            "first_draw": torch.rand(1).item(), "group_up": dist.is_initialized(), "rank_var": os.environ.get("RANK"),
             "all_reduce_is_torchs": dist.all_reduce is TORCH_ALL_REDUCE, "cache_draws": calibrate.CACHE_DRAWS}
 
 
@@ -39,12 +40,15 @@ def main() -> None:
     what.add_argument("--mutate", action="store_true")
     what.add_argument("--fail", action="store_true")
     what.add_argument("--hang", action="store_true")
+    what.add_argument("--alone", action="store_true")
     args = parser.parse_args()
-    rank = int(os.environ["RANK"])
+    rank = int(os.environ.get("RANK", "0"))
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(state()))
     print(f"probe on rank {rank}")
     if args.hang:
         time.sleep(3600)
+    if args.alone:
+        return
     dist.init_process_group("gloo")
     if args.fail:
         if rank == 1:

@@ -31,7 +31,7 @@ ROOT = SCRIPTS.parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.launch import free_port, rank_env  # noqa: E402
+from benchmarks.launch import DIST_ENV, free_port, rank_env  # noqa: E402
 
 
 class RankPool:
@@ -43,19 +43,23 @@ class RankPool:
         self._launches = 0
 
     def run(self, argv: list[str], log_path: Path, timeout_s: float, cwd: Path, env: dict[str, str],
-            grace_s: float = 30.0) -> int | str:
+            grace_s: float = 30.0, alone: bool = False) -> int | str:
         """Run ``python <argv>`` on every rank; return 0, the first failing rank's code, or ``"timeout"``.
 
         ``log_path`` gets every rank's output, rank 0's first (as :func:`benchmarks.launch.run_ranks`).
+        ``alone``: rank 0 runs it as a single process would (no process-group variables); the
+        other ranks wait.
         """
         if not self._alive():
             self._start()
-        port = free_port()
-        logs = [log_path.with_name(f"{log_path.name}.rank{r}") for r in range(self.ranks)]
-        replies = [log_path.with_name(f"{log_path.name}.reply{r}") for r in range(self.ranks)]
-        for rank, proc in enumerate(self._procs):
+        port, used = free_port(), 1 if alone else self.ranks
+        logs = [log_path.with_name(f"{log_path.name}.rank{r}") for r in range(used)]
+        replies = [log_path.with_name(f"{log_path.name}.reply{r}") for r in range(used)]
+        for rank, proc in enumerate(self._procs[:used]):
             replies[rank].unlink(missing_ok=True)
-            command = {"argv": argv, "cwd": str(cwd), "env": rank_env(env, rank, self.ranks, port),
+            rank_vars = env if alone else rank_env(env, rank, self.ranks, port)
+            command = {"argv": argv, "cwd": str(cwd), "env": {k: v for k, v in rank_vars.items()
+                                                               if not alone or k not in DIST_ENV},
                        "log": str(logs[rank]), "reply": str(replies[rank])}
             assert proc.stdin is not None
             proc.stdin.write(json.dumps(command) + "\n")
@@ -99,7 +103,7 @@ class RankPool:
 
     def _wait(self, replies: list[Path], timeout_s: float, grace_s: float) -> list[int | None]:
         """Each rank's exit code; ``None`` for a rank that did not answer in time (or died)."""
-        codes: list[int | None] = [None] * self.ranks
+        codes: list[int | None] = [None] * len(replies)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and any(code is None for code in codes):
             for rank, path in enumerate(replies):
