@@ -21,7 +21,8 @@ Defaults (when ``memory_budget`` is not given):
 Within the budget, plans keep a headroom free for what the cost model misses
 (:func:`plan_headroom_bytes`; ``headroom=`` on the strategy, ``strategy.headroom`` in conf):
 
-- CPU: :data:`PLAN_HEADROOM_FRACTION` (4%): above the memory model's largest measured miss here.
+- CPU: :data:`PLAN_HEADROOM_FRACTION` (4%): above the memory model's largest measured miss here
+  (:data:`LARGEST_MEASURED_MISS`; a plan says which rule set its headroom, :func:`headroom_reason`).
   Every plan of every recorded benchmark priced by today's model (``benchmarks.reprice_memory``,
   20 runs files, 2 gloo ranks, FSDPMemTracker peaks): at most 2.8% under (uniform zero3 on the
   GPT 2 x 512 in the launches that peak 6.33 MiB higher; docs/design.md section 7),
@@ -47,6 +48,10 @@ from osdp_lightning.aliases import ALIASES, BASELINES
 CUDA_HEADROOM_FRACTION = 0.08
 CPU_SHARE_FRACTION = 0.80
 PLAN_HEADROOM_FRACTION = 0.04
+LARGEST_MEASURED_MISS = 0.029
+"""The memory model's largest miss under a measured step peak on CPU (FSDPMemTracker, 2 gloo ranks,
+every plan of the recorded runs files in docs/benchmarks/, ``python -m benchmarks.reprice_memory``):
+a replicated GPT 2 x 512 with one checkpointed block, 2.9% under. The default headroom lies above it."""
 CUDA_PLAN_HEADROOM_FRACTION = 0.05
 MAX_FRAGMENTATION = 0.10
 
@@ -229,6 +234,20 @@ def plan_headroom_bytes(headroom: float | int | str | None, budget_bytes: int, d
     """Bytes of ``budget_bytes`` a plan keeps free (see :func:`plan_headroom`)."""
     nbytes, share = plan_headroom(headroom, device, fragmentation)
     return max(nbytes, int(budget_bytes * share))
+
+
+def headroom_reason(headroom: float | int | str | None, device: torch.device,
+                    fragmentation: float | None = None) -> str:
+    """Why plans keep the headroom :func:`plan_headroom` gives (a plan prints it beside the figure)."""
+    if headroom is not None:
+        return "as the strategy's headroom= says"
+    if device.type != "cuda":
+        return (f"the CPU default, above the memory model's largest miss under a measured peak "
+                f"({100 * LARGEST_MEASURED_MISS:.1f}%)")
+    if fragmentation is None:
+        return "the CUDA default (the allocator's fragmentation was not measured)"
+    return (f"the CPU default plus the CUDA allocator's fragmentation measured while profiling "
+            f"({100 * min(max(fragmentation, 0.0), MAX_FRAGMENTATION):.1f}%)")
 
 
 def plan_headroom(headroom: float | int | str | None, device: torch.device,

@@ -116,6 +116,9 @@ class Plan:
     """Where the step terms besides compute came from (measured at setup, a cache, a cluster config)."""
     accumulation_steps: int = 1
     """Micro-batches per optimizer step the plan was solved for; the predictions are per micro-step."""
+    headroom_bytes: int = 0
+    """Bytes of the budget the plan was solved to leave free, and the rule that set them:"""
+    headroom_reason: str = ""
 
     def choice_of(self, unit_name: str) -> str:
         return next(u.choice for u in self.units if u.name == unit_name)
@@ -183,7 +186,10 @@ class Plan:
             f"choices: {', '.join(f'{c} x{n}' for c, n in counts.items())}",
             f"predicted peak per rank: {format_bytes(self.predicted_peak_bytes)} of budget "
             f"{format_bytes(self.memory_budget_bytes)} "
-            f"({100 * self.predicted_peak_bytes / self.memory_budget_bytes:.1f}%)",
+            f"({100 * self.predicted_peak_bytes / self.memory_budget_bytes:.1f}%)"
+            + (f"; headroom kept free {format_bytes(self.headroom_bytes)} "
+               f"({100 * self.headroom_bytes / self.memory_budget_bytes:.1f}%: {self.headroom_reason or 'as given'})"
+               if self.headroom_bytes else ""),
             f"predicted step: {self.predicted_step_s:.4f} s at micro-batch {self.micro_batch_size} x "
             f"{self.world_size} ranks = {self.predicted_throughput:.1f} samples/s",
             f"  = compute {self.predicted_compute_s:.4f} + optimizer {self.predicted_optimizer_s:.4f} + FSDP "
@@ -392,7 +398,8 @@ def assemble_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpe
         predicted_compute_s=sum(u.compute_s for u in units), predicted_optimizer_s=sum(u.optimizer_s for u in units),
         predicted_overhead_s=sum(u.overhead_s for u in units), predicted_exposed_comm_s=sum(u.comm_s for u in units),
         predicted_loop_s=table.fixed_step_s,
-        step_terms_source=cluster.step_terms.source if cluster.step_terms is not None else "")
+        step_terms_source=cluster.step_terms.source if cluster.step_terms is not None else "",
+        headroom_bytes=cluster.headroom_for(cluster.memory_budget_bytes), headroom_reason=cluster.headroom_reason)
 
 
 def uniform_baselines(table: ChoiceTable, cluster: ClusterSpec) -> tuple[BaselinePrediction, ...]:

@@ -193,9 +193,8 @@ def _memory_panel(ax: Any, plan: Plan, bars: list[Bar], colors: dict[str, str]) 
     ax.axhline(plan.memory_budget_bytes / mib, color="black", linewidth=1.5)
     ax.text(0.005, plan.memory_budget_bytes / mib, f"budget {format_bytes(plan.memory_budget_bytes)}",
             transform=ax.get_yaxis_transform(), va="bottom", fontsize=8)
-    headroom = getattr(plan, "headroom_bytes", None)
-    if headroom:
-        ax.axhline((plan.memory_budget_bytes - headroom) / mib, color="black", linestyle="--", linewidth=0.8)
+    if plan.headroom_bytes:  # what the plan was solved to leave free
+        ax.axhline((plan.memory_budget_bytes - plan.headroom_bytes) / mib, color="black", linestyle="--", linewidth=0.8)
     previous, x = None, 0.995
     for base in sorted(getattr(plan, "baselines", ()), key=lambda b: -b.peak_bytes):
         name, color = baseline_name(base.choice), _CHOICE_COLORS.get(base.choice, "gray")

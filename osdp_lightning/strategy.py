@@ -37,6 +37,7 @@ from osdp_lightning.budget import (
     default_memory_budget,
     device_memory_bytes,
     format_bytes,
+    headroom_reason,
     parse_memory_budget,
     plan_headroom,
 )
@@ -412,7 +413,8 @@ class OSDPStrategy(ModelParallelStrategy):
             world_size=self.world_size, ranks_per_node=self.num_processes, memory_budget_bytes=budget,
             timings=self._timings, node_timings=self._node_timings, overlap_efficiency=overlap,
             headroom_bytes=headroom_bytes, headroom_fraction=headroom_fraction)
-        return dataclasses.replace(spec, step_terms=self._step_terms)
+        reason = headroom_reason(self.headroom, self.root_device, self._fragmentation)
+        return dataclasses.replace(spec, step_terms=self._step_terms, headroom_reason=reason)
 
     # -- checkpoints: keys of the unwrapped LightningModule (osdp_lightning/checkpoint.py) ---------
     @override

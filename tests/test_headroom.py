@@ -89,6 +89,24 @@ def test_a_budget_at_the_headroom_names_both_and_what_to_change() -> None:
     assert proven_within_settle_gap(make_plan(profile, cluster(smallest_named(err.value), 2**20, 0.1)))
 
 
+def test_a_plan_says_the_headroom_it_keeps_and_which_rule_set_it() -> None:
+    import dataclasses
+
+    import torch
+
+    from osdp_lightning.budget import LARGEST_MEASURED_MISS, PLAN_HEADROOM_FRACTION, headroom_reason
+
+    cpu = headroom_reason(None, torch.device("cpu"))
+    assert "CPU default" in cpu and f"({100 * LARGEST_MEASURED_MISS:.1f}%)" in cpu
+    assert LARGEST_MEASURED_MISS < PLAN_HEADROOM_FRACTION
+    assert headroom_reason(0.02, torch.device("cpu")) == "as the strategy's headroom= says"
+    assert "fragmentation measured while profiling (3.0%)" in headroom_reason(None, torch.device("cuda"), 0.03)
+    spec = dataclasses.replace(cluster(2**30, 0, 0.04), headroom_reason=cpu)
+    plan = make_plan(synthetic_profile(1), spec)
+    assert plan.headroom_bytes == int(0.04 * 2**30) and plan.headroom_reason == cpu
+    assert f"headroom kept free 40.96 MiB (4.0%: {cpu})" in plan.format_table()
+
+
 # -- the three cases: osdp-plan model=gpt_small cluster=a100_80g_x8 (a dry run) ------------------
 @pytest.fixture(scope="module")
 def gpt_small_dry_run():
@@ -124,6 +142,8 @@ def test_gpt_small_on_a100_at_2_2_5_and_3_8_gib(gpt_small_dry_run) -> None:
     assert isinstance(plan_osdp(gpt_small_dry_run, str(smallest - 1)), str)
     roomy = plan_osdp(gpt_small_dry_run, "3.8GiB")
     assert proven_within_settle_gap(roomy) and roomy.predicted_peak_bytes <= int(3.8 * 2**30) - 2 * 2**30
+    assert roomy.headroom_bytes == 2 * 2**30  # the config's 2 GiB, larger than 4% of 3.8 GiB
+    assert roomy.headroom_reason == "the larger of the config's cluster.headroom and the strategy's default share"
 
 
 def test_the_strategy_refuses_a_budget_at_its_headroom() -> None:

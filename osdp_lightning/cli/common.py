@@ -44,7 +44,9 @@ def cluster_spec(cluster: DictConfig, budget_bytes: int | None = None, live: boo
     spec = cluster_spec_from_config(config, memory_budget=budget_bytes)
     # The config's headroom bytes or the strategy's default share, whichever is larger (as a rule,
     # not a figure: the smallest budget that fits is found under the same rule).
-    return dataclasses.replace(spec, headroom_fraction=max(spec.headroom_fraction, PLAN_HEADROOM_FRACTION))
+    reason = "the larger of the config's cluster.headroom and " if spec.headroom_bytes else ""
+    return dataclasses.replace(spec, headroom_fraction=max(spec.headroom_fraction, PLAN_HEADROOM_FRACTION),
+                               headroom_reason=reason + "the strategy's default share")
 
 
 def check_cluster_runs_here(cluster: DictConfig, what: str) -> None:

@@ -7,10 +7,12 @@ own ``MASTER_PORT`` and process group, cwd, environment, ``sys.argv`` and output
 process-wide state a fresh interpreter would have (RNG states, thread count, deterministic mode,
 ``torch.distributed``'s attributes, warning filters) restored before and after it.
 
-A scenario that fails or times out on any rank may leave the group broken (the other rank waiting in
-a collective): the pool kills its ranks and starts new ones, so one failure never reaches the next
-scenario. Scripts that measure their process's memory high-water mark, or that test how processes
-are started and stopped, keep launches of their own (``isolated=True`` in ``ckpt_launch.run_ranks``).
+A scenario that times out or kills a rank may leave the group broken (the other rank waiting in a
+collective): the pool kills its ranks and starts new ones, so that it never reaches the next
+scenario. One that fails on every rank (each raised or exited) keeps the ranks, put back to the fresh
+state as after any scenario. Scripts that measure their process's memory high-water mark, or that
+test how processes are started and stopped, keep launches of their own (``isolated=True`` in
+``ckpt_launch.run_ranks``).
 
 Each rank is ``rank_worker.py``: it reads one JSON command per line on stdin and answers each by
 writing a JSON file.
@@ -68,8 +70,10 @@ class RankPool:
         log_path.write_text("".join(f"[rank {r}]\n{_read(path)}" for r, path in enumerate(logs)))
         for path in (*logs, *replies):
             path.unlink(missing_ok=True)
-        if any(code != 0 for code in codes):
-            # NOTE: the group may be broken (a rank left in a collective): fresh ranks for the next one.
+        if any(code is None for code in codes):
+            # NOTE: a rank that did not answer may be left in a collective or dead: fresh ranks for the
+            # next scenario. Ranks that all answered, failed or not, ended their scenario and are put
+            # back to the fresh state like after any other.
             self.close()
             self._start()
         failed = next((code for code in codes if code), None)  # a rank left waiting for it is no timeout
