@@ -24,6 +24,7 @@ from osdp_lightning.calibrate import (
     write_cache,
 )
 from osdp_lightning.calibrate import fit as fitting
+from osdp_lightning.calibrate.bench import rotated
 from osdp_lightning.choices.split import SPLIT_REPLICATED
 from osdp_lightning.step_terms import (
     GROUP_TERMS,
@@ -83,6 +84,10 @@ def test_the_median_of_calibrations_ignores_one_outlier_in_each_term() -> None:
     assert two.overhead["zero2"].constant_s == pytest.approx(2 * base.overhead["zero2"].constant_s)
 
 
+def test_terms_of_the_linear_stacks_are_not_reused() -> None:
+    assert CACHE_FORMAT == 4  # format 3: terms from bare Linear stacks, with nothing between the collectives
+
+
 @pytest.mark.parametrize("damage", ["corrupt", "truncated", "negative", "empty", "foreign", "old_format", "too_old"])
 def test_a_bad_cache_is_ignored_with_one_line(cache: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
     write_cache(cache, KEY, [some_terms()])
@@ -98,8 +103,8 @@ def test_a_bad_cache_is_ignored_with_one_line(cache: Path, damage: str, caplog: 
             data["draws"] = []
         elif damage == "foreign":
             data["key"]["torch"] = "2.5.0"
-        elif damage == "old_format":
-            data["key"]["format"] = CACHE_FORMAT - 1
+        elif damage == "old_format":  # bare Linear stacks' terms (format 3) over-priced zero3
+            data["key"]["format"] = 3
         else:
             data["written_at"] = time.time() - 30 * 86400
         cache.write_text(json.dumps(data))
@@ -175,6 +180,10 @@ def test_calibration_on_two_ranks_is_positive_identical_and_cached_unless_busy(t
         assert cost.is_valid(), kind
     for kind, cost in terms.optimizer.items():  # a replicated slice's is a difference too (clamped at 0)
         assert cost.is_valid() and (kind == SPLIT_REPLICATED or cost.seconds(2, 2**20) > 0), kind
+    benches = [key.removesuffix("_step_s") for key in first["extra"] if key.endswith("_step_s")]
+    assert len(benches) == 6 * 3, benches  # local, replicate, zero2, zero3, split's reference and bench; 3 widths
+    for bench in benches:  # forward and backward timed apart: the model's overlap reads both
+        assert 0 < first["extra"][f"{bench}_forward_s"] < first["extra"][f"{bench}_step_s"], bench
     assert 0 < first["calibrate_s"] and math.isfinite(first["calibrate_s"])
     print(f"calibrate_s {first['calibrate_s']:.2f}")
 
@@ -230,3 +239,99 @@ def test_step_terms_enter_the_predicted_step() -> None:
         assert after.predicted_step_s == pytest.approx(0.12 + optimizer + overhead + comm + terms.loop_step_s)
         assert before.predicted_overhead_s == before.predicted_optimizer_s == before.predicted_loop_s == 0.0
         assert "optimizer" in after.format_table() and after.step_terms_source == "defaults"
+
+
+def test_every_bench_runs_in_every_position_of_a_round() -> None:
+    """The bench order rotates one place a round (reversing every other round kept the middle
+    benches in the middle)."""
+    names = ["local", "replicate", "zero2", "zero3", "local_split", "split(k=2, sharded=1)"]
+    rounds = [rotated(names, index) for index in range(len(names))]
+    assert all(sorted(order) == sorted(names) for order in rounds)
+    for position in range(len(names)):
+        assert sorted(order[position] for order in rounds) == sorted(names), position
+    assert rotated(names, len(names)) == names and rotated([], 3) == []
+
+
+@pytest.mark.parametrize("kind", ["replicate", "zero2", "zero3", "split"])
+def test_bench_units_are_real_blocks_with_compute_between_their_collectives(kind: str) -> None:
+    """Each family's bench units are what its fit is told they are (their bytes are the x-axis of
+    the per-byte fits), and a block's norm and activation run between consecutive units' matmuls,
+    on a micro-batch's rows, as in a real model."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from osdp_lightning.calibrate.bench import (
+        STACK_ROWS,
+        STACK_WIDTHS,
+        build_stack,
+        stack_timings,
+        stack_unit_names,
+    )
+    from osdp_lightning.choices import REGISTRY
+
+    (family,) = [f for f in REGISTRY.families.values() if f.calibration is not None and f.kind == kind]
+    calibration, width = family.calibration, STACK_WIDTHS[1]
+    stack, root = build_stack(width, torch.device("cpu"))
+    timings = stack_timings(calibration, {}, {})
+    names = stack_unit_names(calibration)
+    assert len(names) >= 2
+    for name in names:
+        params = list(stack.get_submodule(name).parameters())
+        assert sum(p.numel() * 4 for p in params) == timings.unit_bytes[width] and len(params) == timings.unit_tensors
+    assert set(timings.unit_bytes) == set(STACK_WIDTHS)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[tuple[str, tuple[int, ...]]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.ops.append((func.__name__, tuple(args[1].shape) if func.__name__.startswith("addmm") else ()))
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as seen:
+        root()
+    matmuls = [i for i, (op, _) in enumerate(seen.ops) if op.startswith("addmm")]
+    assert len(matmuls) == 2 * len(stack.blocks) and all(seen.ops[i][1] == (STACK_ROWS, width) for i in matmuls)
+    for first, second in zip(matmuls, matmuls[1:], strict=False):  # a block's norm or activation between any two
+        assert any(op.startswith(("gelu", "native_layer_norm")) for op, _ in seen.ops[first + 1:second])
+
+
+def test_the_fit_leaves_what_the_model_lacks_given_the_stacks_compute() -> None:
+    """The cost model's own price of a bench stack holds its measured compute and overlaps it with
+    the collectives as plans do; a bench that took that plus a known machinery cost per group fits
+    exactly that machinery."""
+    from osdp_lightning.calibrate.bench import (
+        STACK_WIDTHS,
+        Bench,
+        bench_specs,
+        stack_unit_names,
+        stack_unit_params,
+    )
+    from osdp_lightning.choices import REGISTRY
+
+    zero3 = next(f.calibration for f in REGISTRY.families.values() if f.kind == "zero3" and f.calibration)
+    collectives = {"all_gather": Affine(1e-4, 1e-9), "reduce_scatter": Affine(2e-4, 2e-9),
+                   "all_reduce": Affine(2e-4, 2e-9)}
+    idle = fitting._stack_model_s(collectives, zero3, 512, 2, (0.0, 0.0), 0.0)
+    busy = fitting._stack_model_s(collectives, zero3, 512, 2, (0.01, 0.02), 0.0)
+    hidden = fitting._stack_model_s(collectives, zero3, 512, 2, (0.01, 0.02), 1.0)
+    assert busy == pytest.approx(idle + 0.03) and idle > 0
+    assert busy - 0.03 > hidden - 0.03 > 0  # overlap hides the collectives, never their launches
+
+    machinery = Affine(3e-3, 2e-9)
+    # the collectives timed at three sizes exactly on their lines (the fit recovers them: 2 ranks move half)
+    moved = {f"{kind}@{n}": line.seconds(1, n / 2) for kind, line in collectives.items() for n in (2**16, 2**20, 2**24)}
+    benches: dict[tuple[str, int], Bench] = {}
+    for spec in bench_specs(optional=True):
+        for w in STACK_WIDTHS:
+            forward_s, backward_s = 1e-5 * w, 2e-5 * w
+            seconds = forward_s + backward_s
+            if spec.calibration is not None and not spec.reference:
+                units = len(stack_unit_names(spec.calibration))
+                seconds = (fitting._stack_model_s(collectives, spec.calibration, w, 2, (forward_s, backward_s), 0.5)
+                           + units * machinery.seconds(1, 4 * stack_unit_params(w, spec.calibration)))
+            benches[spec.name, w] = Bench(None, None, [seconds], [1e-3], [forward_s])
+    _, overhead, _ = fitting.fit_terms(moved, benches, 2, optional=True, overlap_efficiency=0.5)
+    for kind in ("replicate", "zero2", "zero3"):
+        assert overhead[kind].constant_s == pytest.approx(machinery.constant_s)
+        assert overhead[kind].per_byte_s == pytest.approx(machinery.per_byte_s)

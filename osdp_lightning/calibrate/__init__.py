@@ -62,23 +62,27 @@ over-priced sharding in every later launch (docs/design.md section 7)."""
 
 
 def measure_step_terms(device: torch.device, optimizer: torch.optim.Optimizer | None, meshes: Meshes, *,
-                       split: bool = True, loop_step_s: float = 0.0, repeats: int = 5) -> StepTerms:
+                       split: bool = True, loop_step_s: float = 0.0, repeats: int = 5,
+                       overlap_efficiency: float = 0.0) -> StepTerms:
     """Time collectives and tiny plans on every rank; fit the terms from rank 0's timings.
 
     ``split``: also run the benches families mark optional (split's); without them those families'
-    terms are fitted from the others' (faster, and the cache keeps the two apart)."""
+    terms are fitted from the others' (faster, and the cache keeps the two apart).
+    ``overlap_efficiency``: what plans will assume (0 on CPU), so that the terms price only what it leaves."""
     start, start_cpu = time.perf_counter(), time.process_time()
     collective_s = time_collective_sizes(device, COLLECTIVE_REPEATS)
     specs = bench_specs(optional=split)
     benches = {(s.name, w): build_bench(s, w, device, meshes, optimizer) for w in STACK_WIDTHS for s in specs}
     time_benches(benches, device, repeats, BENCH_ROUNDS_S)
-    raw: list[Any] = [(collective_s, {k: (b.step_s, b.optimizer_s) for k, b in benches.items()})]
+    raw: list[Any] = [(collective_s, {k: (b.step_s, b.optimizer_s, b.forward_s) for k, b in benches.items()})]
     dist.broadcast_object_list(raw, src=0)
     collective_s = raw[0][0]
-    for key, (step_s, optimizer_s) in raw[0][1].items():
-        benches[key].step_s, benches[key].optimizer_s = step_s, optimizer_s
-    collectives, overhead, optimizer_terms = fit_terms(collective_s, benches, meshes.shard.size(), split)
+    for key, (step_s, optimizer_s, forward_s) in raw[0][1].items():
+        benches[key].step_s, benches[key].optimizer_s, benches[key].forward_s = step_s, optimizer_s, forward_s
+    collectives, overhead, optimizer_terms = fit_terms(collective_s, benches, meshes.shard.size(), split,
+                                                       overlap_efficiency)
     extra = {f"{c}@{w}_step_s": statistics.median(b.step_s) for (c, w), b in benches.items()}
+    extra.update({f"{c}@{w}_forward_s": statistics.median(b.forward_s) for (c, w), b in benches.items()})
     extra.update({f"{c}@{w}_optimizer_s": statistics.median(b.optimizer_s) for (c, w), b in benches.items()
                   if b.optimizer_s})
     extra.update({f"{k}_s": v for k, v in collective_s.items()})

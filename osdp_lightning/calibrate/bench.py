@@ -1,7 +1,8 @@
-"""What calibration times: each collective kind at four sizes, and tiny plans (Linear stacks of
-three widths, one unit per layer) under each calibrated family's bench choice
-(``ChoiceFamily.calibration``), applied with the project's own
-:func:`~osdp_lightning.apply.apply_plan` so that whatever machinery a choice uses is what is priced."""
+"""What calibration times: each collective kind at four sizes, and tiny plans (stacks of small
+pre-norm MLP blocks at three widths, one unit per block or per Linear) under each calibrated family's
+bench choice (``ChoiceFamily.calibration``), applied with the project's own
+:func:`~osdp_lightning.apply.apply_plan` so that whatever machinery a choice uses is what is priced,
+with a real block's compute between its collectives so that prefetch and overlap run as in training."""
 
 from __future__ import annotations
 
@@ -9,16 +10,17 @@ import gc
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 
 from osdp_lightning.apply import Meshes, apply_plan
 from osdp_lightning.choices import REGISTRY, ChoiceFamily
-from osdp_lightning.choices.base import FamilyCalibration
+from osdp_lightning.choices.base import FamilyCalibration, StackTimings
 from osdp_lightning.links import synchronize
 from osdp_lightning.optim_state import clone_optimizer
 from osdp_lightning.plan import Plan, UnitPlan
@@ -38,15 +40,46 @@ cost by 2x from one calibration to the next here; with 1.2 s (7 rounds) the pred
 all-replicate step of the GPT bench preset still ranged 0.117-0.152 s over 9 calibrations on a
 quiet machine, with 1.8 s 0.111-0.126 s over 5 (measured: 0.106-0.115 s)."""
 MAX_BENCH_ROUNDS = 25
-STACK_WIDTHS = (64, 256, 768)
-"""Widths of the Linear stacks (16 KiB, 256 KiB and 2.3 MiB per unit): the smallest pins the
-per-group constant (FSDP2's hooks and launches, about 3 ms per group and step on a 2-core VM),
-the largest is the size of real units, so that per-byte rates are measured where they are used."""
+STACK_WIDTHS = (64, 256, 512)
+"""Widths of the block stacks (blocks of 32 KiB, 514 KiB and 2 MiB): the smallest pins the
+per-group constant (FSDP2's hooks and launches, a few ms per group and step on a 2-core VM), the
+largest is near the size of real units, so that per-byte rates are measured where they are used.
+NOTE: with 768 (4.5 MiB) a calibration took 3.4-3.8 s on 2 CPU ranks instead of 2.3-2.5."""
 STACK_DEPTH = 2
-STACK_ROWS = 8
+"""Blocks per stack: the first block's backward all-gather is prefetched beside the second's backward."""
+STACK_ROWS = 128
+"""Rows of the stacks' input: a micro-batch's tokens (GPT 4 x 384, seq 64, batch 2). NOTE: with 8
+rows and bare Linears nothing ran between the collectives: zero3's prefetched all-gather was never
+hidden and the collectives never competed with compute for the cores, unlike beside a real block."""
 LOCAL = "local"
 """The plain stack on one rank, no FSDP2: what every bench is timed against unless its family
 gives a reference of its own."""
+
+
+def stack_unit_names(calibration: FamilyCalibration | None) -> tuple[str, ...]:
+    """The stack's units under a family's bench: its blocks, or each block's Linears."""
+    if calibration is not None and calibration.linear_units:
+        return tuple(f"blocks.{i}.{name}" for i in range(STACK_DEPTH) for name in _Block.LINEARS)
+    return tuple(f"blocks.{i}" for i in range(STACK_DEPTH))
+
+
+def stack_unit_params(width: int, calibration: FamilyCalibration | None) -> int:
+    """Parameters of one of the stack's units: a Linear(width, width) with bias, or a block of two."""
+    linear = width * width + width
+    return linear if calibration is not None and calibration.linear_units else len(_Block.LINEARS) * linear
+
+
+def stack_unit_tensors(calibration: FamilyCalibration | None) -> int:
+    """Parameter tensors of one of the stack's units (a Linear's weight and bias, or a block's)."""
+    return 2 if calibration is not None and calibration.linear_units else 2 * len(_Block.LINEARS)
+
+
+def stack_timings(calibration: FamilyCalibration | None, excess_s: dict[int, float],
+                  optimizer_s: dict[int, float]) -> StackTimings:
+    """What a family's fit reads of its bench, with the shape of the bench's units."""
+    return StackTimings(excess_s=excess_s, optimizer_s=optimizer_s,
+                        unit_bytes={w: 4 * stack_unit_params(w, calibration) for w in STACK_WIDTHS},
+                        unit_tensors=stack_unit_tensors(calibration))
 
 
 @dataclass(frozen=True)
@@ -83,16 +116,30 @@ def bench_specs(optional: bool) -> list[BenchSpec]:
     return specs
 
 
+class _Block(nn.Module):
+    """``x + proj(gelu(fc(layer_norm(x))))``: a transformer's pre-norm MLP block (its norm without
+    weights: the two Linears are all its parameters, so that a split bench can cut each of them)."""
+
+    LINEARS = ("fc", "proj")
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc, self.proj = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (rows, width)
+        return x + self.proj(F.gelu(self.fc(F.layer_norm(x, x.shape[-1:]))))
+
+
 class _Stack(nn.Module):
-    """``depth`` Linear units of ``width`` (one FSDP2 group each under a plan)."""
+    """``depth`` blocks of ``width``."""
 
     def __init__(self, width: int, depth: int) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(depth))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.relu(layer(x))
+        for block in self.blocks:
+            x = block(x)
         return x
 
 
@@ -112,35 +159,43 @@ class Bench:
     root: nn.Module | None
     optimizer: torch.optim.Optimizer | None
     step_s: list[float]
+    """Forward and backward, per round."""
     optimizer_s: list[float]
+    forward_s: list[float] = field(default_factory=list)
 
 
-def _stack_plan(depth: int, width: int, choice: str, root_choice: str, world: int) -> Plan:
-    units = [UnitPlan(name=f"layers.{i}", module_names=(f"layers.{i}",), param_count=width * width + width,
-                      choice=choice, predicted_bytes=0, predicted_comm_s=0.0) for i in range(depth)]
-    units.append(UnitPlan(name=ROOT, module_names=(ROOT,), param_count=0, choice=root_choice, predicted_bytes=0,
-                          predicted_comm_s=0.0))
+def _stack_plan(width: int, calibration: FamilyCalibration, world: int) -> Plan:
+    units = [UnitPlan(name=name, module_names=(name,), param_count=stack_unit_params(width, calibration),
+                      choice=calibration.bench, predicted_bytes=0, predicted_comm_s=0.0)
+             for name in stack_unit_names(calibration)]
+    units.append(UnitPlan(name=ROOT, module_names=(ROOT,), param_count=0, choice=calibration.root or calibration.bench,
+                          predicted_bytes=0, predicted_comm_s=0.0))
     return Plan(units=tuple(units), world_size=world, micro_batch_size=STACK_ROWS, memory_budget_bytes=2**40,
                 predicted_peak_bytes=0, predicted_step_s=0.0, predicted_throughput=0.0, activation_bytes=0,
                 solver_status="calibration", source="calibration")
 
 
-def build_bench(spec: BenchSpec, width: int, device: torch.device, meshes: Meshes,
-                optimizer: torch.optim.Optimizer | None) -> Bench:
-    """One stack as ``spec`` says: plain or a family's reference (no FSDP2), or its bench choice for every unit."""
-    # NOTE: seeded, for the same weights on every rank as a real model has, in a fork of the random
-    # states: the stream the user's training draws from (dropout) must not move.
+def build_stack(width: int, device: torch.device) -> tuple[_Stack, _StackRoot]:
+    """The plain stack and its root, seeded: the same weights and input on every rank."""
+    # NOTE: in a fork of the random states: the stream the user's training draws from (dropout) must not move.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
         stack = _Stack(width, STACK_DEPTH).to(device)
-        root = _StackRoot(stack, torch.randn(STACK_ROWS, width, device=device))
-        world, calibration = meshes.shard.size(), spec.calibration
-        if calibration is not None and spec.reference:  # a transform may draw (SplitLinear's slices)
-            for i in range(STACK_DEPTH):
-                calibration.reference(stack, f"layers.{i}")
-        elif calibration is not None:
-            plan = _stack_plan(STACK_DEPTH, width, calibration.bench, calibration.root or calibration.bench, world)
-            apply_plan(stack, root, plan, meshes)
+        return stack, _StackRoot(stack, torch.randn(STACK_ROWS, width, device=device))
+
+
+def build_bench(spec: BenchSpec, width: int, device: torch.device, meshes: Meshes,
+                optimizer: torch.optim.Optimizer | None) -> Bench:
+    """One stack as ``spec`` says: plain or a family's reference (no FSDP2), or its bench choice for every unit."""
+    stack, root = build_stack(width, device)
+    calibration = spec.calibration
+    if calibration is not None and spec.reference:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(1)  # a transform may draw (SplitLinear's slices)
+            for name in stack_unit_names(calibration):
+                calibration.reference(stack, name)
+    elif calibration is not None:
+        apply_plan(stack, root, _stack_plan(width, calibration, meshes.shard.size()), meshes)
     clone = clone_optimizer(optimizer, list(root.parameters())) if optimizer is not None else None
     return Bench(root, clone, [], [])
 
@@ -157,33 +212,45 @@ def release_benches(benches: dict[tuple[str, int], Bench]) -> None:
     gc.collect()
 
 
-def _bench_step(bench: Bench, device: torch.device) -> tuple[float, float]:
+def _bench_step(bench: Bench, device: torch.device) -> tuple[float, float, float]:
+    """Seconds of one step's forward, backward and optimizer step."""
     if bench.optimizer is not None:
         bench.optimizer.zero_grad(set_to_none=True)
     synchronize(device)
     start = time.perf_counter()
-    bench.root().backward()
+    loss = bench.root()
     synchronize(device)
-    middle = time.perf_counter()
+    forward = time.perf_counter()
+    loss.backward()
+    synchronize(device)
+    backward = time.perf_counter()
     if bench.optimizer is not None:
         bench.optimizer.step()
     synchronize(device)
-    return middle - start, time.perf_counter() - middle
+    return forward - start, backward - forward, time.perf_counter() - backward
+
+
+def rotated(items: list[Any], round_index: int) -> list[Any]:
+    """``items`` rotated one place further each round: over ``len(items)`` rounds each runs once in
+    every position, so that a change of load within a round favours none. (Reversing every other
+    round did not: the middle ones always ran in the middle.)"""
+    shift = round_index % len(items) if items else 0
+    return items[shift:] + items[:shift]
 
 
 def time_benches(benches: dict[tuple[str, int], Bench], device: torch.device, repeats: int,
                   budget_s: float) -> None:
     """Warm every bench up once, then step each in turn: ``repeats`` rounds, and more while the
-    rounds so far took less than ``budget_s`` (rank 0 decides for all; order reversed every other
-    round, so that a change of load hits all alike)."""
+    rounds so far took less than ``budget_s`` (rank 0 decides for all; the order rotated each round)."""
     names = list(benches)
     for name in names:
         _bench_step(benches[name], device)
     start, more = time.perf_counter(), torch.zeros(1, device=device)
     for index in range(MAX_BENCH_ROUNDS):
-        for name in names if index % 2 == 0 else names[::-1]:
-            step_s, optimizer_s = _bench_step(benches[name], device)
-            benches[name].step_s.append(step_s)
+        for name in rotated(names, index):
+            forward_s, backward_s, optimizer_s = _bench_step(benches[name], device)
+            benches[name].forward_s.append(forward_s)
+            benches[name].step_s.append(forward_s + backward_s)
             benches[name].optimizer_s.append(optimizer_s)
         if index + 1 >= repeats:
             elapsed = time.perf_counter() - start
@@ -209,7 +276,7 @@ def time_collective_sizes(device: torch.device, repeats: int) -> dict[str, float
         for op in ops.values():
             op()
         for index in range(repeats):
-            for name in list(ops) if index % 2 == 0 else list(ops)[::-1]:
+            for name in rotated(list(ops), index):
                 synchronize(device)
                 start = time.perf_counter()
                 ops[name]()

@@ -23,9 +23,10 @@ from osdp_lightning.step_terms import Affine, StepTerms
 CACHE_ENV = "OSDP_LIGHTNING_CACHE_DIR"
 """Directory of the per-machine calibration cache (default ``~/.cache/osdp_lightning``; tests
 point it at a temporary directory)."""
-CACHE_FORMAT = 3
-"""3: the last :data:`CACHE_DRAWS` calibrations (2: one; 1: collectives at two sizes); an older
-format is stale."""
+CACHE_FORMAT = 4
+"""4: FSDP2's terms from stacks of blocks with their compute between the collectives (3: bare Linear
+stacks, which over-priced zero3; 2: one calibration, not the last :data:`CACHE_DRAWS`; 1: collectives
+at two sizes); an older format is stale."""
 CACHE_DRAWS = 3
 """Calibrations the cache keeps; a launch uses their per-term median. On this project's 2-core VM
 one block's priced FSDP2 work was more than 15% off the median of nine calibrations in 11-33% of

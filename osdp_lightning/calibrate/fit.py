@@ -1,7 +1,7 @@
 """The step terms fitted to the benches' timings (:mod:`osdp_lightning.calibrate.bench`): collectives
 by least squares over their sizes, and what FSDP2's and a reducer's machinery and the optimizer step
-cost per group and per byte, as what the stacks took beyond their compute and the cost model's own
-collectives."""
+cost per group and per byte, as what the stacks took beyond what the cost model itself gives them:
+their measured compute, its collectives and its overlap of the two."""
 
 from __future__ import annotations
 
@@ -15,9 +15,13 @@ from osdp_lightning.calibrate.bench import (
     Bench,
     calibrated_families,
     reference_name,
+    stack_timings,
+    stack_unit_names,
+    stack_unit_params,
+    stack_unit_tensors,
 )
 from osdp_lightning.choice_table import build_choice_table
-from osdp_lightning.choices.base import FamilyCalibration, StackTimings
+from osdp_lightning.choices.base import FamilyCalibration
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.profile import ModelProfile, UnitProfile
 from osdp_lightning.solve import step_seconds
@@ -41,12 +45,19 @@ def _collective_fit(points: list[tuple[float, float]]) -> Affine:
     return Affine(max(seconds - rate * nbytes, 0.0), rate)
 
 
-def _stack_comm_s(collectives: dict[str, Affine], calibration: FamilyCalibration, width: int, world: int) -> float:
-    """Seconds the cost model itself gives the collectives of a family's bench stack (so that what
-    is left of the measurement is exactly what the model lacks)."""
-    units = [UnitProfile(f"layers.{i}", (f"layers.{i}",), width * width + width, 0, 0.0, 0.0, 0,
-                         linear_shape=(width, width), split_overhead_s=((2, 0.0),), tensor_count=2)
-             for i in range(STACK_DEPTH)]
+def _stack_model_s(collectives: dict[str, Affine], calibration: FamilyCalibration, width: int, world: int,
+                   compute_s: tuple[float, float], overlap_efficiency: float) -> float:
+    """Seconds the cost model itself gives a family's bench stack: its measured ``compute_s``
+    (forward, backward: the unsharded reference's), the model's collectives and their overlap with
+    that compute, no machinery and no optimizer (so that what is left of the measurement is exactly
+    what the model lacks, as in real use)."""
+    names = stack_unit_names(calibration)
+    params, linear = stack_unit_params(width, calibration), calibration.linear_units
+    forward_s, backward_s = (seconds / len(names) for seconds in compute_s)
+    units = [UnitProfile(name, (name,), params, 0, forward_s, backward_s, 0,
+                         linear_shape=(width, width) if linear else None,
+                         split_overhead_s=((2, 0.0),) if linear else (), tensor_count=stack_unit_tensors(calibration))
+             for name in names]
     units.append(UnitProfile(ROOT, (ROOT,), 0, 0, 0.0, 0.0, 0, tensor_count=0))
     profile = ModelProfile(units=tuple(units), micro_batch_size=STACK_ROWS, param_bytes_per_element=4,
                            grad_bytes_per_element=4, compute_bytes_per_element=4, reduce_bytes_per_element=4,
@@ -57,36 +68,40 @@ def _stack_comm_s(collectives: dict[str, Affine], calibration: FamilyCalibration
     cluster = ClusterSpec(world_size=world, memory_budget_bytes=2**40,
                           collective_latency_s=collectives[ALL_REDUCE].constant_s,
                           bandwidth_bytes_per_s=1.0 / max(collectives[ALL_GATHER].per_byte_s, 1e-15),
-                          step_terms=comm_only)
+                          overlap_efficiency=overlap_efficiency, step_terms=comm_only)
     choice, root_choice = calibration.bench, calibration.root or calibration.bench
     table = build_choice_table(profile, cluster, choices=(choice, root_choice))
-    return step_seconds(table, [choice] * STACK_DEPTH + [root_choice])
+    return step_seconds(table, [choice] * len(names) + [root_choice])
 
 
 def fit_terms(collective_s: dict[str, float], benches: dict[tuple[str, int], Bench], world: int,
-              optional: bool) -> tuple[dict[str, Affine], dict[str, Affine], dict[str, Affine]]:
+              optional: bool, overlap_efficiency: float = 0.0
+              ) -> tuple[dict[str, Affine], dict[str, Affine], dict[str, Affine]]:
     """Collectives (from their least times), then the group terms of each family in registry order
     (``FamilyCalibration.fit``, from the benches' medians; a family whose optional bench was not
-    run when ``optional`` is false fits from the terms before it); see the module docstring."""
+    run when ``optional`` is false fits from the terms before it); see the module docstring.
+    ``overlap_efficiency``: the share of a collective plans take as hidden by neighbouring compute
+    (0 on CPU)."""
     ring = (world - 1) / world
     moved = [(kind, int(nbytes) * ring, seconds) for key, seconds in collective_s.items()
              for kind, nbytes in [key.split("@")]]
     collectives = {kind: _collective_fit(sorted((x, t) for k, x, t in moved if k == kind)) for kind in COLLECTIVES}
     step = {k: statistics.median(b.step_s) for k, b in benches.items()}
+    forward = {k: statistics.median(b.forward_s) if b.forward_s else 0.0 for k, b in benches.items()}
     opt = {k: statistics.median(b.optimizer_s) if b.optimizer_s else 0.0 for k, b in benches.items()}
-    n = STACK_DEPTH
-    plain = [(StackTimings.unit_bytes(w), opt[LOCAL, w] / n) for w in STACK_WIDTHS]
+    plain = stack_timings(None, {}, {w: opt[LOCAL, w] / STACK_DEPTH for w in STACK_WIDTHS})
     overhead: dict[str, Affine] = {}
-    optimizer: dict[str, Affine] = {PLAIN: Affine.fit(plain, 2)}
+    optimizer: dict[str, Affine] = {PLAIN: Affine.fit(plain.points(plain.optimizer_s), plain.unit_tensors)}
     benched = calibrated_families(optional)
     for family in calibrated_families(optional=True):
         calibration, timings = family.calibration, None
         if family in benched:
-            bench, reference = calibration.bench, reference_name(family)
-            timings = StackTimings(
-                excess_s={w: (step[bench, w] - step[reference, w] - _stack_comm_s(collectives, calibration, w, world)) / n
-                          for w in STACK_WIDTHS},
-                optimizer_s={w: opt[bench, w] / n for w in STACK_WIDTHS})
+            bench, reference, n = calibration.bench, reference_name(family), len(stack_unit_names(calibration))
+            compute = {w: (forward[reference, w], step[reference, w] - forward[reference, w]) for w in STACK_WIDTHS}
+            model = {w: _stack_model_s(collectives, calibration, w, world, compute[w], overlap_efficiency)
+                     for w in STACK_WIDTHS}
+            timings = stack_timings(calibration, {w: (step[bench, w] - model[w]) / n for w in STACK_WIDTHS},
+                                    {w: opt[bench, w] / n for w in STACK_WIDTHS})
         family_overhead, family_optimizer = calibration.fit(timings, overhead, optimizer)
         overhead.update(family_overhead)
         optimizer.update(family_optimizer)

@@ -97,22 +97,29 @@ TermsFit = tuple[dict[str, Affine], dict[str, Affine]]
 
 @dataclass(frozen=True)
 class StackTimings:
-    """What calibration measured of one family's bench: a stack of units, each an fp32
-    ``nn.Linear(width, width)`` with bias, under the family's bench choice, per stack width."""
+    """What calibration measured of one family's bench: a stack of small pre-norm MLP blocks (two
+    fp32 ``nn.Linear(width, width)`` with bias each, a real block's compute between their
+    collectives), whose units are the blocks, or each Linear (``FamilyCalibration.linear_units``),
+    under the family's bench choice, per stack width."""
 
     excess_s: Mapping[int, float]
-    """Seconds per unit and step beyond the unsharded stack's and the cost model's collectives."""
+    """Seconds per unit and step beyond what the cost model gives the stack (its measured compute,
+    the model's collectives and overlap)."""
     optimizer_s: Mapping[int, float]
     """Seconds of the optimizer step per unit."""
+    unit_bytes: Mapping[int, int]
+    """fp32 bytes of one unit's parameters per width: the x-axis of the per-byte fits."""
+    unit_tensors: int
+    """Parameter tensors per unit (the optimizer costs a constant per tensor)."""
 
-    @staticmethod
-    def unit_bytes(width: int) -> int:
-        return (width * width + width) * 4
+    def points(self, seconds: Mapping[int, float]) -> list[tuple[float, float]]:
+        """``(unit bytes, seconds)`` per width, for :meth:`Affine.fit`."""
+        return [(self.unit_bytes[w], s) for w, s in seconds.items()]
 
 
 @dataclass(frozen=True)
 class FamilyCalibration:
-    """How calibration (``osdp_lightning/calibrate/``) measures a family's group terms: Linear
+    """How calibration (``osdp_lightning/calibrate/``) measures a family's group terms: block
     stacks whose every unit takes ``bench``, timed against the same stacks unsharded."""
 
     bench: str
@@ -127,6 +134,9 @@ class FamilyCalibration:
     difference is the family's machinery alone (``None``: the plain stack)."""
     optional: bool = False
     """Benched only when calibration is asked for every family; else ``fit`` gets ``None``."""
+    linear_units: bool = False
+    """Each of the blocks' Linears is a unit (the rest of a block runs in the root's group) instead
+    of each block (a split cuts one Linear)."""
 
 
 def whole_unit_calibration(kind: str) -> FamilyCalibration:
@@ -135,9 +145,8 @@ def whole_unit_calibration(kind: str) -> FamilyCalibration:
     def fit(timings: StackTimings | None, _overhead: Mapping[str, Affine], _optimizer: Mapping[str, Affine]
             ) -> TermsFit:
         assert timings is not None, f"{kind} is always benched"
-        def fitted(seconds: Mapping[int, float], count: float) -> Affine:
-            return Affine.fit([(StackTimings.unit_bytes(w), s) for w, s in seconds.items()], count)
-        return {kind: fitted(timings.excess_s, 1)}, {kind: fitted(timings.optimizer_s, 2)}
+        return ({kind: Affine.fit(timings.points(timings.excess_s), 1)},
+                {kind: Affine.fit(timings.points(timings.optimizer_s), timings.unit_tensors)})
     return FamilyCalibration(bench=kind, fit=fit)
 
 

@@ -196,7 +196,8 @@ def measure_overheads(module: nn.Module, batch: object | None, profile: ModelPro
 
 
 CALIBRATION_K = 2
-"""Calibration's bench: every Linear of the stack cut in two, one slice zero3 and one replicated."""
+"""Calibration's bench: every Linear(width, width) of the stack a unit, cut in two, one slice zero3
+and one replicated (the rest of each block, weightless, in the root's zero3 group)."""
 
 
 def fit_terms(timings: StackTimings | None, overhead: Mapping[str, Affine], optimizer: Mapping[str, Affine]
@@ -224,4 +225,4 @@ FAMILY = ChoiceFamily(
     kind="split", param_names=("k", "sharded"), cost=cost, apply=apply, space=space, allowed=allowed,
     measure=measure_overheads, group_terms=(TERMS,),
     calibration=FamilyCalibration(bench=str(choice(CALIBRATION_K, 1)), fit=fit_terms, root=str(zero3.CHOICE),
-                                  reference=_split_in_calibration, optional=True))
+                                  reference=_split_in_calibration, optional=True, linear_units=True))
