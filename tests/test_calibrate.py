@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -17,7 +18,9 @@ from osdp_lightning.calibrate import (
     CACHE_DRAWS,
     CACHE_ENV,
     CACHE_FORMAT,
+    DRAWS_ENV,
     busy_reason,
+    cache_draws,
     cache_file,
     median_terms,
     read_cache,
@@ -48,6 +51,20 @@ def some_terms() -> StepTerms:
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     return cache_file(KEY)
+
+
+def test_each_key_has_a_file_and_the_draws_can_be_overridden(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs with another optimizer keep calibrations of their own (they used to replace each other's)."""
+    sgd = {**KEY, "optimizer": "torch.optim.sgd.SGD"}
+    assert cache_file(KEY) != cache_file(sgd) and cache_file(KEY) == cache_file(dict(KEY))
+    assert re.fullmatch(r"step_terms_cpu_w2_r2_[0-9a-f]{8}\.json", cache_file(KEY).name)
+    monkeypatch.delenv(DRAWS_ENV, raising=False)
+    assert cache_draws() == CACHE_DRAWS == 3
+    monkeypatch.setenv(DRAWS_ENV, "1")
+    assert cache_draws() == 1
+    monkeypatch.setenv(DRAWS_ENV, "0")
+    with pytest.raises(ValueError, match=f"{DRAWS_ENV}='0': expected a positive number of calibrations"):
+        cache_draws()
 
 
 def test_cache_is_written_and_read_back(cache: Path) -> None:
@@ -148,7 +165,7 @@ def test_calibration_on_two_ranks_is_positive_identical_and_cached_unless_busy(t
     with the busy threshold above any share of a core, measured and not cached."""
     out = tmp_path / "calib"
     done = run_ranks([script("calibrate_check.py"), "--out", str(out)], tmp_path / "log", 240, cwd=tmp_path,
-                     env={CACHE_ENV: str(tmp_path / "cache")})
+                     env={CACHE_ENV: str(tmp_path / "cache"), DRAWS_ENV: ""})  # the script sets 2
     assert done.returncode == 0, done.log[-9000:]
     ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
     first, second, third, fourth = (ranks[0][k] for k in ("first", "second", "third", "fourth"))
@@ -157,7 +174,8 @@ def test_calibration_on_two_ranks_is_positive_identical_and_cached_unless_busy(t
     assert all(0 < share <= 1.05 for share in shares), shares
     assert first["source"] == "measured at setup"
     if min(shares) >= BUSY_CPU_SHARE:  # a quiet machine: both cached, then read back as their median
-        assert ranks[0]["cached_after_first"] == ["step_terms_cpu_w2_r2.json"]
+        (name,) = ranks[0]["cached_after_first"]
+        assert re.fullmatch(r"step_terms_cpu_w2_r2_[0-9a-f]{8}\.json", name)
         assert second["source"] == "measured at setup, median with 1 cached"
         assert third["source"].startswith("cache ") and third["source"].endswith("(median of 2 calibrations)")
         assert third["calibrate_s"] == 0 < second["calibrate_s"]

@@ -39,7 +39,9 @@ from osdp_lightning.calibrate.cache import (
     CACHE_ENV,
     CACHE_FORMAT,
     CACHE_MAX_AGE_S,
+    DRAWS_ENV,
     cache_dir,
+    cache_draws,
     cache_file,
     calibration_key,
     median_terms,
@@ -115,16 +117,17 @@ def calibrate_step_terms(device: torch.device, optimizer: torch.optim.Optimizer 
                          ranks_per_node: int, split: bool = True, loop_step_s: float = 0.0,
                          use_cache: bool = True) -> StepTerms:
     """The step terms of this process group: the median of the cached calibrations once there are
-    :data:`CACHE_DRAWS` of them that rank 0 trusts; else measured, added to the cache and taken
-    with the cached ones (every rank must call this; every rank returns rank 0's terms)."""
+    :data:`CACHE_DRAWS` (or :data:`DRAWS_ENV`) of them that rank 0 trusts; else measured, added to
+    the cache and taken with the cached ones (every rank must call this; every rank returns rank 0's
+    terms)."""
     key = calibration_key(device, dist.get_world_size(), ranks_per_node, optimizer, split)
-    path = cache_file(key)
+    path, wanted = cache_file(key), cache_draws(CACHE_DRAWS)
     found: list[Any] = [[]]
     if use_cache and dist.get_rank() == 0:
-        found[0] = [draw.to_dict() for draw in read_cache(path, key) or []][-CACHE_DRAWS:]
+        found[0] = [draw.to_dict() for draw in read_cache(path, key) or []][-wanted:]
     dist.broadcast_object_list(found, src=0)
     draws = [StepTerms.from_dict(draw) for draw in found[0]]
-    if len(draws) == CACHE_DRAWS:
+    if len(draws) == wanted:
         terms = median_terms(draws, source=f"cache {path} (median of {len(draws)} calibrations)")
         return replace(terms, loop_step_s=loop_step_s, calibrate_s=0.0)
     measured = measure_step_terms(device, optimizer, meshes, split=split, loop_step_s=loop_step_s)
@@ -134,14 +137,14 @@ def calibrate_step_terms(device: torch.device, optimizer: torch.optim.Optimizer 
             rank_zero_info(f"osdp: step terms not cached: {busy}; the next launch measures again")
         return measured
     if use_cache and dist.get_rank() == 0:
-        write_cache(path, key, [*draws, measured], keep=CACHE_DRAWS)
+        write_cache(path, key, [*draws, measured], keep=wanted)
     if not draws:
         return measured
     terms = median_terms([*draws, measured], source=f"measured at setup, median with {len(draws)} cached")
     return replace(terms, loop_step_s=loop_step_s, calibrate_s=measured.calibrate_s)
 
 
-__all__ = ["BUSY_CPU_SHARE", "CACHE_DRAWS", "CACHE_ENV", "CACHE_FORMAT", "CACHE_MAX_AGE_S", "QUIET_CPU_SHARE",
-           "CollectiveTimings", "busy_reason", "cache_dir", "cache_file", "calibrate_step_terms", "calibration_key",
-           "clone_optimizer", "least_time_s", "measure_collectives", "measure_step_terms", "median_terms",
-           "read_cache", "write_cache"]
+__all__ = ["BUSY_CPU_SHARE", "CACHE_DRAWS", "CACHE_ENV", "CACHE_FORMAT", "CACHE_MAX_AGE_S", "DRAWS_ENV",
+           "QUIET_CPU_SHARE", "CollectiveTimings", "busy_reason", "cache_dir", "cache_draws", "cache_file",
+           "calibrate_step_terms", "calibration_key", "clone_optimizer", "least_time_s", "measure_collectives",
+           "measure_step_terms", "median_terms", "read_cache", "write_cache"]

@@ -4,6 +4,7 @@ a launch uses (:func:`median_terms`)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -33,6 +34,9 @@ one block's priced FSDP2 work was more than 15% off the median of nine calibrati
 single calibrations and 0-8% of medians of three; one that priced uniform zero3 27% high went into
 every later launch of its benchmark (docs/design.md section 7). So the first launches on
 a machine each measure and add theirs until there are this many."""
+DRAWS_ENV = "OSDP_LIGHTNING_CALIBRATION_DRAWS"
+"""Overrides :data:`CACHE_DRAWS` (a positive integer): 1 trusts the first quiet calibration of a
+machine (the test suite does: its launches price plans, they do not judge the terms)."""
 CACHE_MAX_AGE_S = 7 * 24 * 3600.0
 """A cache older than this is stale (machines change: drivers, load, other tenants)."""
 
@@ -55,8 +59,21 @@ def calibration_key(device: torch.device, world_size: int, ranks_per_node: int,
             "optimizer_flags": {k: repr(v) for k, v in flags.items()}}
 
 
+def cache_draws(default: int = CACHE_DRAWS) -> int:
+    """Calibrations a launch takes the median of: ``default`` unless :data:`DRAWS_ENV` says otherwise."""
+    value = os.environ.get(DRAWS_ENV, "").strip()
+    if not value:
+        return default
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{DRAWS_ENV}={value!r}: expected a positive number of calibrations (default {default})")
+    return int(value)
+
+
 def cache_file(key: dict[str, Any]) -> Path:
-    return cache_dir() / f"step_terms_{key['device']}_w{key['world_size']}_r{key['ranks_per_node']}.json"
+    """One file per key: runs with another optimizer or thread count keep calibrations of their own
+    instead of replacing each other's (a suite alternating SGD and Adam never reached three draws)."""
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
+    return cache_dir() / f"step_terms_{key['device']}_w{key['world_size']}_r{key['ranks_per_node']}_{digest}.json"
 
 
 def read_cache(path: Path, key: dict[str, Any], max_age_s: float = CACHE_MAX_AGE_S) -> list[StepTerms] | None:
