@@ -80,11 +80,13 @@ def test_osdp_train_under_a_budget_ddp_exceeds(tmp_path: Path, cli_here: CliHere
 
 @pytest.mark.multiprocess
 def test_sweep_runs_every_recipe_with_osdp_and_summarises(tmp_path: Path) -> None:
-    """The BERT and T5 recipes at tiny size, built on the meta device (``meta_init=true``), train with
-    strategy=osdp on 2 ranks; one row per job (the GPT recipe trains through the same command line,
-    built eagerly, in the main job's test)."""
+    """A multirun over the BERT and T5 recipes at tiny size, built on the meta device
+    (``meta_init=true``): one row per job. Each job is a fresh process on one device (the 2-rank
+    runs of these recipes are the next test; Lightning's launcher starting a job's ranks is the main
+    job's test)."""
     proc = run_cli("train", "-m", "model=bert_tiny,t5_tiny", "strategy=osdp", "cluster=cpu_2",
-                   "trainer=smoke", "cluster.memory_budget=1GiB", "meta_init=true", cwd=tmp_path)
+                   "cluster.devices_per_node=1", "trainer=smoke", "cluster.memory_budget=1GiB", "meta_init=true",
+                   cwd=tmp_path)
     check_ok(proc)
     sweep_dir = only_dir(tmp_path / "multirun")
     rows = list(csv.DictReader((sweep_dir / "sweep_summary.csv").open()))
@@ -95,9 +97,24 @@ def test_sweep_runs_every_recipe_with_osdp_and_summarises(tmp_path: Path) -> Non
         assert int(row["memory_budget_bytes"]) == 2**30 and float(row["final_loss"]) < 6.5
     markdown = (sweep_dir / "sweep_summary.md").read_text()
     assert markdown.count("| ok |") == 2 and "sweep summary: 2 jobs" in proc.stdout
-    assert (proc.stdout + proc.stderr).count("profiled from shapes") == 2  # each job planned its meta-built model
     for job in ("0", "1"):
         assert (sweep_dir / job / "csv" / "metrics.csv").exists() and (sweep_dir / job / "plan.json").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model", ["bert_tiny", "t5_tiny"])
+def test_osdp_train_plans_a_meta_built_recipe_from_shapes_on_two_ranks(tmp_path: Path, model: str) -> None:
+    """``osdp-train model=... meta_init=true``, both ranks started together (as torchrun starts them):
+    the model is built on the meta device, planned from shapes, materialized as its shards, trained."""
+    run_dir = tmp_path / "run"
+    done = run_ranks(["-m", "osdp_lightning.cli.train", f"model={model}", "strategy=osdp", "cluster=cpu_2",
+                      "trainer=smoke", "cluster.memory_budget=1GiB", "meta_init=true", f"hydra.run.dir={run_dir}"],
+                     tmp_path / "train.log", 240, cwd=tmp_path)
+    assert done.returncode == 0, done.log[-6000:]
+    assert "profiled from shapes" in done.log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["model"] == model and summary["steps"] == 5 and summary["final_loss"] < 6.5
+    assert json.loads((run_dir / "plan.json").read_text())["world_size"] == 2
 
 
 def test_osdp_plan_compares_osdp_with_the_baselines(tmp_path: Path, cli_here: CliHere) -> None:

@@ -3,7 +3,7 @@ so the first training step draws the masks it draws under Lightning's DDP."""
 
 from __future__ import annotations
 
-import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -13,6 +13,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
@@ -105,36 +106,34 @@ def _assert_losses_match_ddp(ddp: list[dict], osdp: list[dict]) -> None:
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
 
 
-def _make_cache_warm(cold: list[dict], cache_dir: Path) -> None:
-    """:data:`CACHE_DRAWS` calibrations for the next launch to read: the cold run's own, repeated, or
-    (a busy machine, where it cached none) figures of this machine's order for the ranks' key."""
-    cached = sorted(cache_dir.glob("step_terms_*.json"))
-    if cached:
-        data = json.loads(cached[0].read_text())
-        key, draws = data["key"], [StepTerms.from_dict(draw) for draw in data["draws"]]
-    else:
-        optimizer = DropoutMLP(width=8).configure_optimizers()
-        key = {**calibration_key(torch.device("cpu"), 2, 2, optimizer, split=True),
-               "backend": "gloo", "threads": cold[0]["threads"]}
-        draws = [StepTerms(collectives={kind: Affine(1e-4, 2e-9) for kind in COLLECTIVES},
-                           overhead={kind: Affine(3e-3, 1e-9) for kind in GROUP_TERMS},
-                           optimizer={kind: Affine(2e-5, 1e-9) for kind in (*GROUP_TERMS, PLAIN)}, loop_step_s=4e-3)]
-    write_cache(cache_file(key), key, (draws * CACHE_DRAWS)[:CACHE_DRAWS])
+def _make_cache_warm(cache_dir: Path) -> None:
+    """:data:`CACHE_DRAWS` calibrations of this machine's order for the key the ranks will look up
+    (their thread count is the one Lightning's launcher sets), for the next launch to read."""
+    optimizer = DropoutMLP(width=8).configure_optimizers()
+    threads = int(os.environ.get("OMP_NUM_THREADS") or _suggested_max_num_threads(2))
+    key = {**calibration_key(torch.device("cpu"), 2, 2, optimizer, split=True), "backend": "gloo", "threads": threads}
+    draw = StepTerms(collectives={kind: Affine(1e-4, 2e-9) for kind in COLLECTIVES},
+                     overhead={kind: Affine(3e-3, 1e-9) for kind in GROUP_TERMS},
+                     optimizer={kind: Affine(2e-5, 1e-9) for kind in (*GROUP_TERMS, PLAIN)}, loop_step_s=4e-3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(cache_dir))
+        write_cache(cache_file(key), key, [draw] * CACHE_DRAWS)
 
 
+# NOTE: a cold cache calibrates at setup (and draws random numbers there), a warm one reads the cache
+# and draws none; with checkpointing, recomputed blocks must draw their forward's masks again.
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("checkpointing", ["never", "always"])
-def test_solved_mixed_plan_with_dropout_matches_ddp_with_a_cold_and_a_warm_calibration_cache(
-        train, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checkpointing: str) -> None:
+@pytest.mark.parametrize("checkpointing, cache", [("never", "cold"), ("always", "warm")])
+def test_solved_mixed_plan_with_dropout_matches_ddp_with_a_cold_or_a_warm_calibration_cache(
+        train, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checkpointing: str, cache: str) -> None:
     ddp = train("ddp", *DDP_ARGS)
     assert len(set(ddp[0]["losses"])) > 1  # it trained
+    if cache == "warm":
+        _make_cache_warm(tmp_path / "cache")
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    cold = train(f"cold_{checkpointing}", *_osdp_args(checkpointing))
-    assert cold[0]["plan"]["step_terms_source"].startswith("measured at setup")
-    _assert_losses_match_ddp(ddp, cold)
+    osdp = train(f"{cache}_{checkpointing}", *_osdp_args(checkpointing))
+    source = osdp[0]["plan"]["step_terms_source"]
+    assert source.startswith("measured at setup" if cache == "cold" else "cache "), source
+    _assert_losses_match_ddp(ddp, osdp)
     if checkpointing == "always":
-        assert all(u["choice"].endswith("+ckpt") for u in cold[0]["plan"]["units"] if u["name"])
-    _make_cache_warm(cold, tmp_path / "cache")
-    warm = train(f"warm_{checkpointing}", *_osdp_args(checkpointing))
-    assert warm[0]["plan"]["step_terms_source"].startswith("cache "), warm[0]["plan"]["step_terms_source"]
-    _assert_losses_match_ddp(ddp, warm)
+        assert all(u["choice"].endswith("+ckpt") for u in osdp[0]["plan"]["units"] if u["name"])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from ckpt_launch import run_logged, run_ranks, script  # noqa: E402
@@ -24,7 +25,9 @@ BOUND_S = 60  # far below the 30-minute default collective timeout
 # first runs with both ranks started together (as torchrun starts them, in the suite's rank pool),
 # the second under Lightning's launcher, whose process tree must be gone when it exits.
 @pytest.mark.parametrize("stage", ["profile", "apply"])
-def test_a_rank_raising_in_setup_stops_every_rank_quickly(tmp_path: Path, stage: str) -> None:
+def test_a_rank_raising_in_setup_stops_every_rank_quickly(tmp_path: Path, stage: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the launcher sets the ranks' thread count
     args = [script("fault_setup.py"), "--fail", stage, "--out", str(tmp_path)]
     if stage == "profile":
         done = run_ranks(args, tmp_path / "log", timeout_s=BOUND_S + 30, cwd=tmp_path)
@@ -40,6 +43,10 @@ def test_a_rank_raising_in_setup_stops_every_rank_quickly(tmp_path: Path, stage:
     if stage == "apply":  # rank 0 finished applying; it learns of rank 1's failure by name
         assert reports[0]["type"] == "RankFailedError"
         assert reports[0]["error"].startswith("rank 1 failed while applying the osdp plan")
+        # Lightning's launcher gives every rank its share of the cores (``_suggested_max_num_threads``,
+        # what DDPStrategy sets); ModelParallelStrategy, osdp's base, set none on the ranks it did not
+        # start (rank 1 ran a thread per core beside rank 0)
+        assert [reports[r]["threads"] for r in (0, 1)] == [_suggested_max_num_threads(2)] * 2
 
 
 def test_torchrun_restarts_killed_ranks_from_the_last_checkpoint(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -79,17 +78,6 @@ def test_all_replicate_memory_prediction_within_5_percent(train) -> None:
     assert result[0]["replicated_params"] == 10  # every tensor of the 5 Linears
     error = plan["predicted_peak_bytes"] / summary["peak_bytes"] - 1
     assert abs(error) <= MEMORY_TOL, (plan["predicted_peak_bytes"], summary["peak_bytes"])
-
-
-@pytest.mark.multiprocess
-def test_every_rank_gets_the_thread_count_lightning_ddp_sets(train, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lightning's DDP launcher gives every rank its share of the cores (``_suggested_max_num_threads``,
-    what ``DDPStrategy`` sets); ModelParallelStrategy, osdp's base, set none on the ranks it did not
-    start (rank 1 ran a thread per core beside rank 0)."""
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    osdp = train("osdp", "--model", "mlp", "--uniform", "replicate", "--steps", "2", lightning_launcher=True)
-    share = _suggested_max_num_threads(2)
-    assert [r["threads"] for r in osdp] == [share, share]
 
 
 @pytest.mark.multiprocess

@@ -4,7 +4,7 @@
     python fault_setup.py --fail apply --out DIR     # rank 1's apply_plan raises
 
 Each process writes ``DIR/pid-<pid>`` at start and ``DIR/rank<r>.json`` (the error it exited
-with and the seconds since it started) before exiting with status 1.
+with, the seconds since it started and its thread count) before exiting with status 1.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 START_S = time.monotonic()
 
 import lightning as L  # noqa: E402
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -68,7 +69,7 @@ def main() -> None:
         trainer.fit(model)
     except Exception as err:  # noqa: BLE001  (recorded, then the process exits with status 1)
         report = {"rank": trainer.global_rank, "type": type(err).__name__, "error": str(err),
-                  "elapsed_s": time.monotonic() - START_S}
+                  "elapsed_s": time.monotonic() - START_S, "threads": torch.get_num_threads()}
         (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
         if dist.is_initialized():
             dist.destroy_process_group()
