@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from benchmarks.regret_candidates import (
     uniform_candidates,
     usable_bytes,
 )
+from osdp_lightning.calibrate import CACHE_ENV
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.profile import ModelProfile, UnitProfile, with_parts
 from osdp_lightning.solve import peak_bytes, step_seconds
@@ -120,6 +123,8 @@ def test_ranks_a_slow_plan_below_all_replicate(tmp_path: Path, monkeypatch: pyte
     slices (24 collectives per Linear), one round on 2 ranks; the slow plan must rank last."""
     monkeypatch.chdir(Path(compare.__file__).parents[1])  # the benchmark's workers run from the checkout
     monkeypatch.setattr(compare, "run_ranks", run_ranks_in_pool)
+    # the session's calibrations: the planning launch prices with them, as after --warm-calibrations
+    shutil.copytree(os.environ[CACHE_ENV], tmp_path / "calibration", dirs_exist_ok=True)
     (tmp_path / compare.CORPUS_FILE).write_text(Path(compare.__file__).read_text() * 20, encoding="utf-8")
     args = argparse.Namespace(accelerator="cpu", devices=2, seed=0, run_timeout_s=900.0)
     settings = {**compare.PRESETS["tiny"], "steps": 5}
