@@ -137,15 +137,20 @@ def _calibration_cache_in_a_temporary_directory(tmp_path_factory: pytest.TempPat
 @pytest.fixture(autouse=True)
 def _no_process_group_outlives_a_test():
     """A test that trains in this process (``Trainer(devices=1)``) leaves Lightning's process group, its
-    TCPStore listening on MASTER_PORT, and the MASTER_* variables behind; later 2-rank launches would
+    TCPStore listening on MASTER_PORT, the MASTER_* variables and the thread count behind; later 2-rank launches would
     inherit that port (EADDRINUSE) and later in-process groups would find one already initialised.
     Lightning's own test suite tears the group down after each test the same way."""
+    import torch
     import torch.distributed as dist
 
-    before = {k: os.environ.get(k) for k in DIST_ENV}
+    # NOTE: Lightning's launcher also sets OMP_NUM_THREADS (and torch's thread count) in the process
+    # it runs in: left behind, every later 2-rank launch inherited 2 threads per rank on 2 cores.
+    before = {k: os.environ.get(k) for k in (*DIST_ENV, "OMP_NUM_THREADS")}
+    threads = torch.get_num_threads()
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    torch.set_num_threads(threads)
     for key, value in before.items():
         if value is None:
             os.environ.pop(key, None)
