@@ -21,6 +21,7 @@ from ckpt_launch import run_ranks
 from conftest import CliHere, CliRun
 
 from osdp_lightning.budget import PLAN_HEADROOM_FRACTION
+from osdp_lightning.cli import sweep
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,14 +80,16 @@ def test_osdp_train_under_a_budget_ddp_exceeds(tmp_path: Path, cli_here: CliHere
 
 
 @pytest.mark.multiprocess
-def test_sweep_runs_every_recipe_with_osdp_and_summarises(tmp_path: Path) -> None:
+def test_sweep_runs_every_recipe_with_osdp_and_summarises(tmp_path: Path, cli_here: CliHere,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A multirun over the BERT and T5 recipes at tiny size, built on the meta device
-    (``meta_init=true``): one row per job. Each job is a fresh process on one device (the 2-rank
-    runs of these recipes are the next test; Lightning's launcher starting a job's ranks is the main
-    job's test)."""
-    proc = run_cli("train", "-m", "model=bert_tiny,t5_tiny", "strategy=osdp", "cluster=cpu_2",
-                   "cluster.devices_per_node=1", "trainer=smoke", "cluster.memory_budget=1GiB", "meta_init=true",
-                   cwd=tmp_path)
+    (``meta_init=true``): one row per job. The sweep runs in this process; each job is a fresh
+    process on one device (the 2-rank runs of these recipes are the next test; Lightning's launcher
+    starting a job's ranks is the main job's test)."""
+    monkeypatch.setattr(sweep, "FAILED_JOBS", [])
+    proc = cli_here("train", "-m", "model=bert_tiny,t5_tiny", "strategy=osdp", "cluster=cpu_2",
+                    "cluster.devices_per_node=1", "trainer=smoke", "cluster.memory_budget=1GiB", "meta_init=true",
+                    cwd=tmp_path)
     check_ok(proc)
     sweep_dir = only_dir(tmp_path / "multirun")
     rows = list(csv.DictReader((sweep_dir / "sweep_summary.csv").open()))

@@ -111,31 +111,31 @@ def test_auto_micro_batch_size_is_set_on_the_module_before_dataloaders(train) ->
     assert all(r["summary"]["micro_batch_size"] == 64 for r in result)
 
 
-def _launch_external(tmp_path: Path, how: str) -> tuple[list[subprocess.Popen], Path]:
-    """Start both ranks from outside Lightning: torchrun, or the environment srun gives a SLURM task;
-    the processes, and where rank 0 writes the results."""
+def _launch_external(tmp_path: Path, how: str) -> list[dict]:
+    """Start both ranks from outside Lightning: torchrun, or the environment srun gives a SLURM task."""
     out = tmp_path / f"{how}.json"
     script = [str(SCRIPTS / "train_compare.py"), "--model", "mlp", "--uniform", "zero3", "--out", str(out)]
     if how == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
                "--rdzv-endpoint=127.0.0.1:0", *script]
-        return [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)], out
-    port = str(29600 + os.getpid() % 300)
-    return [subprocess.Popen(
-        [sys.executable, *script], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": str(rank),
-             "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242",
-             "SLURM_JOB_NAME": "osdp", "SLURM_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": port}) for rank in range(2)], out
+        procs = [subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    else:
+        port = str(29600 + os.getpid() % 300)
+        procs = [subprocess.Popen(
+            [sys.executable, *script], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": str(rank),
+                 "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242",
+                 "SLURM_JOB_NAME": "osdp", "SLURM_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": port}) for rank in range(2)]
+    for proc in procs:
+        output, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, output[-4000:]
+    return json.loads(out.read_text())
 
 
 def test_torchrun_and_slurm_launches_match_lightning_ddp(train, tmp_path: Path) -> None:
     ddp = train("ddp", "--model", "mlp", "--strategy", "ddp")
-    launches = {how: _launch_external(tmp_path, how) for how in ("torchrun", "slurm")}  # side by side
-    for how, (procs, out) in launches.items():
-        for proc in procs:
-            output, _ = proc.communicate(timeout=240)
-            assert proc.returncode == 0, f"{how}: {output[-4000:]}"
-        result = json.loads(out.read_text())
+    for how in ("torchrun", "slurm"):
+        result = _launch_external(tmp_path, how)
         assert_same_losses(ddp, result)
         assert_plan_and_memory(result)
