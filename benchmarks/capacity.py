@@ -28,6 +28,7 @@ from typing import Any
 from benchmarks.compare import load_average, source_commit
 from benchmarks.launch import run_ranks
 from osdp_lightning.budget import format_bytes, parse_bytes
+from osdp_lightning.calibrate.bench import rotated
 
 METHODS = ("ddp", "fsdp2", "fsdp2-ckpt", "osdp")
 
@@ -96,7 +97,7 @@ def paired(args: argparse.Namespace, work: Path) -> str:
     for layers in (int(x) for x in args.paired.split(",")):
         speed: dict[str, list[float]] = {m: [] for m in methods}
         for r in range(args.rounds):
-            for method in methods[r % len(methods):] + methods[:r % len(methods)]:
+            for method in rotated(methods, r):
                 record = worker(method, layers, args.n_embd, args.n_head, args, work, None, budget)
                 speed[method].append(record["summary"]["tokens_per_s"] if record.get("status") == "ok" else float("nan"))
                 print(f"round {r} {method} {layers} layers: {describe(record)}", flush=True)

@@ -33,6 +33,7 @@ from osdp_lightning.recipes.text import python_docs_corpus
 from benchmarks import compare_report
 from benchmarks.launch import run_ranks
 from osdp_lightning.calibrate import CACHE_DRAWS
+from osdp_lightning.calibrate.bench import rotated
 
 BASELINES = ("ddp", "fsdp2", "fsdp2-ckpt", "osdp-replicate", "zero2", "zero3", "osdp-default")
 """Runs without a budget: Lightning's DDP, osdp's uniform plans, osdp at its default budget (all fits)."""
@@ -144,16 +145,6 @@ def launch(method: str, budget: int | None, settings: dict[str, int], args: argp
     return record
 
 
-def rotate(jobs: list[Any], round_index: int) -> list[Any]:
-    """The jobs of one round, rotated one place further each round: over ``len(jobs)`` rounds every
-    job runs once in every position, so drift of a shared machine within a round favours none.
-    (Reversing every other round did not: with three jobs the middle one always ran second.)"""
-    if not jobs:
-        return jobs
-    shift = round_index % len(jobs)
-    return jobs[shift:] + jobs[:shift]
-
-
 def run_order(fractions: tuple[float, ...], methods: tuple[str, ...], round_index: int,
               hand_fractions: tuple[float, ...] = DEFAULT_FSDP2_FRACTIONS) -> list[tuple[str, float | None]]:
     """The runs of one round: the baselines in ``BASELINES`` order, osdp at each fraction, then osdp at
@@ -161,7 +152,7 @@ def run_order(fractions: tuple[float, ...], methods: tuple[str, ...], round_inde
     whose peak sets the other budgets, is launched before any round). Later rounds rotate this order."""
     jobs = [(m, None) for m in BASELINES if m in methods]
     jobs += [("osdp", f) for f in fractions] if "osdp" in methods else []
-    return rotate(jobs + hand_fsdp2_jobs(methods, hand_fractions), round_index)
+    return rotated(jobs + hand_fsdp2_jobs(methods, hand_fractions), round_index)
 
 
 def hand_fsdp2_jobs(methods: tuple[str, ...], fractions: tuple[float, ...] = DEFAULT_FSDP2_FRACTIONS

@@ -13,7 +13,7 @@ Per model shape (``--shapes``: the benchmark's default GPT, and the same with 12
    best plans that are not osdp's, and ``--random`` random plans that fit;
 3. every distinct plan is trained once per round (``--plan``, so setup does not profile or solve
    and the plan is the only difference), on the same data and seed, the order rotated one place
-   each round (:func:`benchmarks.compare.rotate`); rows report medians over rounds.
+   each round (:func:`osdp_lightning.calibrate.bench.rotated`); rows report medians over rounds.
 
 Reports per shape and budget (:mod:`benchmarks.regret_report`): osdp's throughput over the best
 measured candidate whose measured peak fits (the regret ratio), osdp's rank, the Spearman
@@ -42,6 +42,7 @@ from benchmarks.regret_candidates import (
     random_candidates,
     uniform_candidates,
 )
+from osdp_lightning.calibrate.bench import rotated
 
 SHAPES: dict[str, dict[str, int]] = {"default": {}, "seq128": {"seq_len": 128}}
 """Model shapes: overrides of the preset."""
@@ -151,7 +152,7 @@ def run_shape(shape: str, settings: dict[str, int], args: argparse.Namespace, wo
     result = {"shape": shape, "settings": settings, "replicate_peak_bytes": replicate_peak, "budgets": budgets,
               "units": len(pricing.table.units), "candidates": pool.records(), "runs": runs}
     for r in range(args.rounds):
-        for cand in compare.rotate(jobs, r):
+        for cand in rotated(jobs, r):
             if r > 0 or cand is not replicate:
                 runs.append(train(cand, r, settings, args, work, shape))
                 save(result)
