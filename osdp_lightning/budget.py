@@ -22,7 +22,7 @@ Within the budget, plans keep a headroom free for what the cost model misses
 (:func:`plan_headroom_bytes`; ``headroom=`` on the strategy, ``strategy.headroom`` in conf):
 
 - CPU: :data:`PLAN_HEADROOM_FRACTION` (4%): above the memory model's largest measured miss here
-  (:data:`LARGEST_MEASURED_MISS`; a plan says which rule set its headroom, :func:`headroom_reason`).
+  (:data:`LARGEST_MEASURED_MISS`; a plan says which rule set its headroom, :class:`PlanHeadroom`).
   Every plan of every recorded benchmark priced by today's model (``benchmarks.reprice_memory``,
   20 runs files, 2 gloo ranks, FSDPMemTracker peaks): at most 2.8% under (uniform zero3 on the
   GPT 2 x 512 in the launches that peak 6.33 MiB higher; docs/design.md section 7),
@@ -229,45 +229,42 @@ def absolute_budget_bytes(value: int | float | str | None) -> int | None:
     return budget.bytes
 
 
+@dataclass(frozen=True)
+class PlanHeadroom:
+    """The headroom rule: a plan keeps the larger of ``bytes`` and ``share`` of the budget free
+    (``ClusterSpec.headroom_bytes`` / ``headroom_fraction``; a budget at or below it is refused by
+    :func:`osdp_lightning.plan.make_plan`, naming both figures), and why (a plan prints it)."""
+
+    bytes: int
+    share: float
+    reason: str
+
+
 def plan_headroom_bytes(headroom: float | int | str | None, budget_bytes: int, device: torch.device,
                         fragmentation: float | None = None) -> int:
     """Bytes of ``budget_bytes`` a plan keeps free (see :func:`plan_headroom`)."""
-    nbytes, share = plan_headroom(headroom, device, fragmentation)
-    return max(nbytes, int(budget_bytes * share))
-
-
-def headroom_reason(headroom: float | int | str | None, device: torch.device,
-                    fragmentation: float | None = None) -> str:
-    """Why plans keep the headroom :func:`plan_headroom` gives (a plan prints it beside the figure)."""
-    if headroom is not None:
-        return "as the strategy's headroom= says"
-    if device.type != "cuda":
-        return (f"the CPU default, above the memory model's largest miss under a measured peak "
-                f"({100 * LARGEST_MEASURED_MISS:.1f}%)")
-    if fragmentation is None:
-        return "the CUDA default (the allocator's fragmentation was not measured)"
-    return (f"the CPU default plus the CUDA allocator's fragmentation measured while profiling "
-            f"({100 * min(max(fragmentation, 0.0), MAX_FRAGMENTATION):.1f}%)")
+    rule = plan_headroom(headroom, device, fragmentation)
+    return max(rule.bytes, int(budget_bytes * rule.share))
 
 
 def plan_headroom(headroom: float | int | str | None, device: torch.device,
-                  fragmentation: float | None = None) -> tuple[int, float]:
-    """The headroom rule as ``(bytes, share of the budget)``: a plan keeps the larger free
-    (``ClusterSpec.headroom_bytes`` / ``headroom_fraction``; a budget at or below it is refused
-    by :func:`osdp_lightning.plan.make_plan`, naming both figures).
-
-    ``headroom``: a share of the budget (a float below 1, e.g. ``0.05``), bytes (an int or a size
-    such as ``"256MiB"``), or ``None`` for the default of the device (module docstring), where
-    ``fragmentation`` is the CUDA allocator's ``max_memory_reserved / max_memory_allocated - 1``.
+                  fragmentation: float | None = None) -> PlanHeadroom:
+    """The headroom rule of a strategy's ``headroom``: a share of the budget (a float below 1, e.g.
+    ``0.05``), bytes (an int or a size such as ``"256MiB"``), or ``None`` for the default of the device
+    (module docstring), where ``fragmentation`` is the CUDA allocator's
+    ``max_memory_reserved / max_memory_allocated - 1``.
     """
-    if headroom is None:
-        if device.type != "cuda":
-            return 0, PLAN_HEADROOM_FRACTION
-        if fragmentation is None:
-            return 0, CUDA_PLAN_HEADROOM_FRACTION
-        return 0, PLAN_HEADROOM_FRACTION + min(max(fragmentation, 0.0), MAX_FRAGMENTATION)
-    if isinstance(headroom, float) and 0 <= headroom < 1:
-        return 0, headroom
-    if headroom in (0, "0"):
-        return 0, 0.0
-    return parse_bytes(headroom), 0.0
+    if headroom is not None:
+        given = "as the strategy's headroom= says"
+        if isinstance(headroom, float) and 0 <= headroom < 1:
+            return PlanHeadroom(0, headroom, given)
+        return PlanHeadroom(0, 0.0, given) if headroom in (0, "0") else PlanHeadroom(parse_bytes(headroom), 0.0, given)
+    if device.type != "cuda":
+        return PlanHeadroom(0, PLAN_HEADROOM_FRACTION, "the CPU default, above the memory model's largest miss "
+                            f"under a measured peak ({100 * LARGEST_MEASURED_MISS:.1f}%)")
+    if fragmentation is None:
+        return PlanHeadroom(0, CUDA_PLAN_HEADROOM_FRACTION,
+                            "the CUDA default (the allocator's fragmentation was not measured)")
+    measured = min(max(fragmentation, 0.0), MAX_FRAGMENTATION)
+    return PlanHeadroom(0, PLAN_HEADROOM_FRACTION + measured, "the CPU default plus the CUDA allocator's "
+                        f"fragmentation measured while profiling ({100 * measured:.1f}%)")

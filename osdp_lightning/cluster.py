@@ -50,7 +50,7 @@ class ClusterSpec:
     """Share of the budget plans must leave free (``0.05``: 5%); plans are solved against
     :attr:`usable_bytes`."""
     headroom_reason: str = ""
-    """Which rule set the headroom (``budget.headroom_reason``); plans print it beside the figure."""
+    """Which rule set the headroom (``budget.PlanHeadroom.reason``); plans print it beside the figure."""
     ranks_per_node: int | None = None
     """Ranks that share a node; ``None`` means all of them (one node)."""
     inter_node_bandwidth_bytes_per_s: float | None = None

@@ -37,7 +37,6 @@ from osdp_lightning.budget import (
     default_memory_budget,
     device_memory_bytes,
     format_bytes,
-    headroom_reason,
     parse_memory_budget,
     plan_headroom,
 )
@@ -408,13 +407,12 @@ class OSDPStrategy(ModelParallelStrategy):
             # NOTE: on CPU, gloo's collectives compete with compute for the same cores and the
             # measured figure is noise on a shared machine: CPU plans assume no overlap.
             overlap = 0.0
-        headroom_bytes, headroom_fraction = plan_headroom(self.headroom, self.root_device, self._fragmentation)
+        headroom = plan_headroom(self.headroom, self.root_device, self._fragmentation)
         spec = live_cluster_spec(
             world_size=self.world_size, ranks_per_node=self.num_processes, memory_budget_bytes=budget,
             timings=self._timings, node_timings=self._node_timings, overlap_efficiency=overlap,
-            headroom_bytes=headroom_bytes, headroom_fraction=headroom_fraction)
-        reason = headroom_reason(self.headroom, self.root_device, self._fragmentation)
-        return dataclasses.replace(spec, step_terms=self._step_terms, headroom_reason=reason)
+            headroom_bytes=headroom.bytes, headroom_fraction=headroom.share)
+        return dataclasses.replace(spec, step_terms=self._step_terms, headroom_reason=headroom.reason)
 
     # -- checkpoints: keys of the unwrapped LightningModule (osdp_lightning/checkpoint.py) ---------
     @override

@@ -94,13 +94,20 @@ def test_a_plan_says_the_headroom_it_keeps_and_which_rule_set_it() -> None:
 
     import torch
 
-    from osdp_lightning.budget import LARGEST_MEASURED_MISS, PLAN_HEADROOM_FRACTION, headroom_reason
+    from osdp_lightning.budget import (
+        LARGEST_MEASURED_MISS,
+        PLAN_HEADROOM_FRACTION,
+        PlanHeadroom,
+        plan_headroom,
+    )
 
-    cpu = headroom_reason(None, torch.device("cpu"))
+    cpu = plan_headroom(None, torch.device("cpu")).reason
     assert "CPU default" in cpu and f"({100 * LARGEST_MEASURED_MISS:.1f}%)" in cpu
     assert LARGEST_MEASURED_MISS < PLAN_HEADROOM_FRACTION
-    assert headroom_reason(0.02, torch.device("cpu")) == "as the strategy's headroom= says"
-    assert "fragmentation measured while profiling (3.0%)" in headroom_reason(None, torch.device("cuda"), 0.03)
+    assert plan_headroom(0.02, torch.device("cpu")) == PlanHeadroom(0, 0.02, "as the strategy's headroom= says")
+    cuda = plan_headroom(None, torch.device("cuda"), 0.03)
+    assert cuda.share == pytest.approx(PLAN_HEADROOM_FRACTION + 0.03)
+    assert "fragmentation measured while profiling (3.0%)" in cuda.reason
     spec = dataclasses.replace(cluster(2**30, 0, 0.04), headroom_reason=cpu)
     plan = make_plan(synthetic_profile(1), spec)
     assert plan.headroom_bytes == int(0.04 * 2**30) and plan.headroom_reason == cpu
