@@ -75,13 +75,11 @@ def run_ranks(args: list[str], log_path: Path, timeout_s: float, cwd: Path | Non
     there at interpreter start) or another rank count starts fresh processes
     (:func:`benchmarks.launch.run_ranks`), and so does every launch under ``OSDP_TEST_POOL=0``.
     """
+    if ranks == 2 and not isolated and _pool_enabled():
+        return _in_pool(args, log_path, timeout_s, cwd, env, alone=False)
     start = time.monotonic()
-    full_env = {**os.environ, **(env or {})}
-    if ranks == 2 and not isolated and os.environ.get("OSDP_TEST_POOL", "1") != "0":
-        code = pool().run(list(args), log_path, timeout_s, cwd=cwd or SCRIPTS, env=full_env)
-    else:
-        code = launch.run_ranks([sys.executable, *args], log_path, timeout_s, env=full_env, ranks=ranks,
-                                cwd=cwd or SCRIPTS)
+    code = launch.run_ranks([sys.executable, *args], log_path, timeout_s, env={**os.environ, **(env or {})},
+                            ranks=ranks, cwd=cwd or SCRIPTS)
     return Finished(-9 if code == "timeout" else int(code), time.monotonic() - start, log_path.read_text(), [])
 
 
@@ -89,11 +87,20 @@ def run_alone(args: list[str], log_path: Path, timeout_s: float, cwd: Path | Non
               env: dict[str, str] | None = None) -> Finished:
     """Run ``python <args>`` as one process (no process group from the launch): in rank 0 of the
     session's pool, or a fresh process (:func:`run_logged`) under ``OSDP_TEST_POOL=0``."""
-    if os.environ.get("OSDP_TEST_POOL", "1") == "0":
+    if not _pool_enabled():
         return run_logged(args, log_path, timeout_s, cwd=cwd, env=env)
+    return _in_pool(args, log_path, timeout_s, cwd, env, alone=True)
+
+
+def _pool_enabled() -> bool:
+    return os.environ.get("OSDP_TEST_POOL", "1") != "0"
+
+
+def _in_pool(args: list[str], log_path: Path, timeout_s: float, cwd: Path | None, env: dict[str, str] | None,
+             alone: bool) -> Finished:
     start = time.monotonic()
     code = pool().run(list(args), log_path, timeout_s, cwd=cwd or SCRIPTS, env={**os.environ, **(env or {})},
-                      alone=True)
+                      alone=alone)
     return Finished(-9 if code == "timeout" else int(code), time.monotonic() - start, log_path.read_text(), [])
 
 

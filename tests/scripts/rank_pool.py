@@ -59,9 +59,9 @@ class RankPool:
         replies = [log_path.with_name(f"{log_path.name}.reply{r}") for r in range(used)]
         for rank, proc in enumerate(self._procs[:used]):
             replies[rank].unlink(missing_ok=True)
-            rank_vars = env if alone else rank_env(env, rank, self.ranks, port)
-            command = {"argv": argv, "cwd": str(cwd), "env": {k: v for k, v in rank_vars.items()
-                                                               if not alone or k not in DIST_ENV},
+            scenario_env = ({k: v for k, v in env.items() if k not in DIST_ENV} if alone
+                            else rank_env(env, rank, self.ranks, port))
+            command = {"argv": argv, "cwd": str(cwd), "env": scenario_env,
                        "log": str(logs[rank]), "reply": str(replies[rank])}
             assert proc.stdin is not None
             proc.stdin.write(json.dumps(command) + "\n")
