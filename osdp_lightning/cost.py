@@ -182,6 +182,13 @@ class ChoiceCost:
         return self.live_bytes + self.transient_bytes if self.forward_bytes is None else self.forward_bytes
 
     @property
+    def forward_end_bytes(self) -> int:
+        """Its own bytes beside its live bytes when its forward ends: the parameters as gathered
+        (FSDP2 reshards them after the forward, which has made its activations by then) and the
+        all-gather's output (kept until the next all-gather); 0 when :attr:`forward_bytes` is not known."""
+        return 0 if self.forward_bytes is None else max(self.forward_bytes - self.held_bytes, 0)
+
+    @property
     def persistent_bytes(self) -> int:
         """Bytes alive through the whole step or from this unit's forward to its backward."""
         return self.state_bytes + self.live_bytes

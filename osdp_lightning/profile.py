@@ -61,6 +61,11 @@ class UnitProfile:
     """Most bytes its backward added at once above what was alive when it started, unsharded:
     its gradients and temporaries less the saved activations it had freed by then (measured
     with the profiled micro-batch); ``None``: not measured (priced as its whole gradients)."""
+    leaf_backward_rise_bytes: int | None = None
+    """Most bytes the backward of any one layer inside it (a module with parameters and no children)
+    added above what was alive when that layer's backward started (a Linear: its weight's gradient
+    beside its input's), measured with the profiled micro-batch; ``None``: not measured (priced as
+    its largest gradient)."""
     tail_activation_bytes: int = 0
     """Of :attr:`activation_bytes`, those saved after the last unit's forward (the root's: the
     loss's), which backward frees before any unit's backward starts."""
@@ -315,13 +320,26 @@ def measure_activation_peak(root: nn.Module, run_loss: Callable[[], torch.Tensor
 def _unit_profile(name: str, module_names: tuple[str, ...], params: list[nn.Parameter], root: nn.Module,
                   samples: list[_StepSample], rises: dict[str, int]) -> UnitProfile:
     measured = [rises[m] for m in module_names if m in rises]  # by module name
+    leaves = [rise for m, rise in rises.items() if _is_layer_within(root, m, module_names)]
     return assemble_unit(
         root, name, module_names, params,
         forward_s=statistics.median(s.forward_s.get(name, 0.0) for s in samples),
         backward_s=statistics.median(s.backward_s.get(name, 0.0) for s in samples),
         activation_bytes=samples[0].saved_bytes.get(name, 0), input_bytes=samples[0].input_bytes.get(name, 0),
         interleaved=name in samples[0].interleaved, backward_rise_bytes=max(measured) if measured else None,
+        leaf_backward_rise_bytes=max(leaves) if leaves else None,
         tail_activation_bytes=samples[0].root_tail_bytes if name == ROOT else 0)
+
+
+def _is_layer_within(root: nn.Module, name: str, module_names: tuple[str, ...]) -> bool:
+    """``name`` is a module with parameters and no children at or below one of ``module_names``.
+
+    NOTE: a module without parameters (a dropout, an activation) can pass its input through: the
+    tracker's window of its backward then spans everything up to that input's gradient."""
+    if not any(name == m or name.startswith(f"{m}.") for m in module_names if m != ROOT):
+        return False
+    module = root.get_submodule(name)
+    return next(module.children(), None) is None and next(module.parameters(recurse=False), None) is not None
 
 
 def linear_shape_of(root: nn.Module, name: str, module_names: tuple[str, ...]) -> tuple[int, int] | None:
@@ -333,7 +351,8 @@ def linear_shape_of(root: nn.Module, name: str, module_names: tuple[str, ...]) -
 def assemble_unit(root: nn.Module, name: str, module_names: tuple[str, ...], params: list[nn.Parameter], *,
                   forward_s: float, backward_s: float, activation_bytes: int, input_bytes: int,
                   split_overhead_s: tuple[tuple[int, float], ...] = (), interleaved: bool = False,
-                  backward_rise_bytes: int | None = None, tail_activation_bytes: int = 0) -> UnitProfile:
+                  backward_rise_bytes: int | None = None, leaf_backward_rise_bytes: int | None = None,
+                  tail_activation_bytes: int = 0) -> UnitProfile:
     """One unit's profile from its parameters and its figures (measured or estimated)."""
     return UnitProfile(
         name=name, module_names=module_names,
@@ -343,7 +362,8 @@ def assemble_unit(root: nn.Module, name: str, module_names: tuple[str, ...], par
         linear_shape=linear_shape_of(root, name, module_names), split_overhead_s=split_overhead_s,
         tensor_count=sum(1 for p in params if p.requires_grad),
         largest_tensor_count=max((p.numel() for p in params if p.requires_grad), default=0),
-        interleaved=interleaved, backward_rise_bytes=backward_rise_bytes, tail_activation_bytes=tail_activation_bytes)
+        interleaved=interleaved, backward_rise_bytes=backward_rise_bytes,
+        leaf_backward_rise_bytes=leaf_backward_rise_bytes, tail_activation_bytes=tail_activation_bytes)
 
 
 # ---------------------------------------------------------------------------------------------

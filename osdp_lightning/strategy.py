@@ -117,9 +117,9 @@ class OSDPStrategy(ModelParallelStrategy):
             models solve to optimality in well under a second, 1,000-2,000 units in seconds
             with HiGHS (the default); CBC (used without ``highspy``) can take minutes there.
         headroom: Part of the budget plans keep free for what the memory model misses: a share
-            (``0.05``) or bytes (``"256MiB"``). Default: 4% on CPU (above the model's largest measured
-            miss, 3.4%), on CUDA 4% plus the allocator's fragmentation measured while profiling
-            (:func:`osdp_lightning.budget.plan_headroom_bytes`).
+            (``0.05``) or bytes (``"256MiB"``). Default: 3% on CPU (a point above the model's largest
+            measured miss), 4% with more ranks than cores, on CUDA 4% plus the allocator's
+            fragmentation measured while profiling (:func:`osdp_lightning.budget.plan_headroom`).
         calibration_cache: Reuse the step-time terms measured earlier on this machine: the median of
             its last three calibrations (``$OSDP_LIGHTNING_CALIBRATION_DRAWS`` to change how many); the
             first launches each measure and add theirs (``~/.cache/osdp_lightning``, or
@@ -407,7 +407,7 @@ class OSDPStrategy(ModelParallelStrategy):
             # NOTE: on CPU, gloo's collectives compete with compute for the same cores and the
             # measured figure is noise on a shared machine: CPU plans assume no overlap.
             overlap = 0.0
-        headroom = plan_headroom(self.headroom, self.root_device, self._fragmentation)
+        headroom = plan_headroom(self.headroom, self.root_device, self._fragmentation, self.num_processes)
         spec = live_cluster_spec(
             world_size=self.world_size, ranks_per_node=self.num_processes, memory_budget_bytes=budget,
             timings=self._timings, node_timings=self._node_timings, overlap_efficiency=overlap,

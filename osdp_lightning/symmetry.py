@@ -76,7 +76,7 @@ def _neutral(c: ChoiceCost, d: ChoiceCost, carry: bool) -> bool:
 
 
 def _moments(first: ChoiceCost, second: ChoiceCost, carry: bool) -> list[_Term]:
-    """The two units' forward and backward moments with ``first`` at ``u`` and ``second`` after it,
+    """The two units' forward (start and end) and backward moments with ``first`` at ``u`` and ``second`` after it,
     less the live bytes before ``u`` and plus the sharded gradients of the units before it: ``X``
     is the forward buffer from before ``u``, ``A`` / ``Z`` the backward gathers from before ``u`` /
     after ``u + 1``, ``R`` the reduce-scatter input from after ``u + 1`` (0 where there is no such
@@ -89,6 +89,8 @@ def _moments(first: ChoiceCost, second: ChoiceCost, carry: bool) -> list[_Term]:
     late = first.late_grad_bytes  # NOTE: given back at a backward: the unit's own and those before
     none = ("k", 0)
     return [(first.forward_peak_bytes, "X", 0, none, False),
+            (first.live_bytes + first.forward_end_bytes, "k", 0, none, False),
+            (first.live_bytes + second.live_bytes + second.forward_end_bytes, "k", 0, none, False),
             (first.live_bytes + first.transient_bytes - late, *_beside("A", after_first),
              ("R|k" if carry else "k", second.reduce_bytes), True),
             (first.live_bytes + second.forward_peak_bytes, *forward_buffer, none, False),

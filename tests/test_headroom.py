@@ -93,20 +93,27 @@ def test_a_plan_says_the_headroom_it_keeps_and_which_rule_set_it() -> None:
     import dataclasses
 
     import torch
+    from lightning.fabric.utilities.data import _num_cpus_available
 
     from osdp_lightning.budget import (
         LARGEST_MEASURED_MISS,
         PLAN_HEADROOM_FRACTION,
+        SHARED_CORES_HEADROOM_FRACTION,
+        UNMEASURED_HEADROOM_FRACTION,
         PlanHeadroom,
         plan_headroom,
     )
 
     cpu = plan_headroom(None, torch.device("cpu")).reason
     assert "CPU default" in cpu and f"({100 * LARGEST_MEASURED_MISS:.1f}%)" in cpu
-    assert LARGEST_MEASURED_MISS < PLAN_HEADROOM_FRACTION
+    assert LARGEST_MEASURED_MISS < PLAN_HEADROOM_FRACTION < SHARED_CORES_HEADROOM_FRACTION
+    cores = _num_cpus_available()
+    assert plan_headroom(None, torch.device("cpu"), ranks_per_node=cores).share == PLAN_HEADROOM_FRACTION
+    shared = plan_headroom(None, torch.device("cpu"), ranks_per_node=cores + 1)
+    assert shared.share == SHARED_CORES_HEADROOM_FRACTION and f"{cores + 1} ranks sharing {cores} cores" in shared.reason
     assert plan_headroom(0.02, torch.device("cpu")) == PlanHeadroom(0, 0.02, "as the strategy's headroom= says")
     cuda = plan_headroom(None, torch.device("cuda"), 0.03)
-    assert cuda.share == pytest.approx(PLAN_HEADROOM_FRACTION + 0.03)
+    assert cuda.share == pytest.approx(UNMEASURED_HEADROOM_FRACTION + 0.03)
     assert "fragmentation measured while profiling (3.0%)" in cuda.reason
     spec = dataclasses.replace(cluster(2**30, 0, 0.04), headroom_reason=cpu)
     plan = make_plan(synthetic_profile(1), spec)
@@ -150,7 +157,8 @@ def test_gpt_small_on_a100_at_2_2_5_and_3_8_gib(gpt_small_dry_run) -> None:
     roomy = plan_osdp(gpt_small_dry_run, "3.8GiB")
     assert proven_within_settle_gap(roomy) and roomy.predicted_peak_bytes <= int(3.8 * 2**30) - 2 * 2**30
     assert roomy.headroom_bytes == 2 * 2**30  # the config's 2 GiB, larger than 4% of 3.8 GiB
-    assert roomy.headroom_reason == "the larger of the config's cluster.headroom and the strategy's default share"
+    assert roomy.headroom_reason == ("the larger of the config's cluster.headroom and the strategy's default share "
+                                     "on a GPU, before training measures the allocator's fragmentation")
 
 
 def test_the_strategy_refuses_a_budget_at_its_headroom() -> None:

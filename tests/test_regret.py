@@ -78,6 +78,18 @@ def test_spearman_with_ties() -> None:
     assert regret_report.spearman([1, 2], [1, 2]) is None
 
 
+def test_spearman_beyond_noise_ties_measured_steps_closer_than_the_noise() -> None:
+    # classes start at their fastest step and take what lies within 5% of it: {1.00, 1.04}, {1.20, 1.22}, {1.50}
+    assert regret_report.tie_classes([1.20, 1.00, 1.50, 1.04, 1.22], 0.05) == [1.0, 0.0, 2.0, 0.0, 1.0]
+    predicted, steps = [0.9, 1.0, 1.1, 1.2], [1.01, 1.00, 1.30, 1.31]  # the near-equal pairs predicted apart
+    assert regret_report.spearman(predicted, steps) == pytest.approx(0.8)  # 1 - 6 * 2 / (4 * 15)
+    # tied: measured ranks 1.5, 1.5, 3.5, 3.5 against 1..4: 4 / sqrt(5 * 4)
+    assert regret_report.spearman_beyond_noise(predicted, steps, 0.05) == pytest.approx(4 / 20 ** 0.5)
+    assert regret_report.spearman_beyond_noise(predicted, steps, None) == regret_report.spearman(predicted, steps)
+    rows = [{"steps": [1.0, 1.1, 1.05]}, {"steps": [2.0, 2.0]}, {"steps": [1.0, 1.2, 1.1]}, {"steps": [3.0]}]
+    assert regret_report.noise_share(rows) == pytest.approx(0.0952, abs=1e-4)  # median of 0.0952, 0, 0.1818
+
+
 def _candidate(name: str, kind: str, predicted_s: float, predicted_peak: int) -> dict:
     return {"name": name, "kind": kind, "choices": ["zero2"], "units": ["u"], "predicted_step_s": predicted_s,
             "predicted_peak_bytes": predicted_peak, "aliases": []}

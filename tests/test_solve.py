@@ -94,7 +94,9 @@ def evaluate(table: ChoiceTable, combo: tuple[ChoiceCost, ...], pair_term: bool 
     """Independent oracle: peak bytes and step seconds, straight from the formulas.
 
     Every unit's forward moment (live bytes of the units before it, its forward bytes, the forward
-    buffer of the nearest unit before it that gathers) and backward moment (live bytes up to it, its
+    buffer of the nearest unit before it that gathers), the end of its forward (live bytes up to it
+    and its forward bytes less those it holds to backward, when it has forward bytes; not for a unit
+    that spans the step) and backward moment (live bytes up to it, its
     transient, the backward gather of the nearest gathering unit on either side, the largest
     reduce-scatter input of the units after it that do not span the step, less the sharded
     gradients of the units up to it and of those spanning the step); units that span the step are
@@ -125,7 +127,9 @@ def evaluate(table: ChoiceTable, combo: tuple[ChoiceCost, ...], pair_term: bool 
         reduced = max((reduces[v] for v in range(u + 1, n)), default=0) if pair_term else 0
         not_made = sum(combo[v].late_grad_bytes for v in range(n) if spans[v] or v <= u)
         extra = 0 if spans[u] else reduced - not_made
-        moments += [alive(u, False) + forward[u] + before, alive(u, True) + transients[u] + beside + extra]
+        ended = 0 if combo[u].forward_bytes is None or spans[u] else max(combo[u].forward_bytes - combo[u].held_bytes, 0)
+        moments += [alive(u, False) + forward[u] + before, alive(u, True) + ended,
+                    alive(u, True) + transients[u] + beside + extra]
     peak = sum(c.state_bytes for c in combo) + max(moments) + table.activation_bytes + table.fixed_bytes
     step = sum(c.compute_s + max(c.exposed_s, c.comm_s - (u.overlap_s if overlap else 0.0))
                for u, c in zip(table.units, combo, strict=True))

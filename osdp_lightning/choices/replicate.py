@@ -37,15 +37,24 @@ def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
     # NOTE: gradients are views into the reducer's buckets (gradient_as_bucket_view=True), so they
     # are part of the persistent state and there is no second copy. After zero_grad(set_to_none)
     # autograd computes each gradient into a fresh tensor that the reducer copies into its bucket
-    # and frees: one tensor at a time, so the transient is the unit's largest gradient tensor.
+    # and frees: one tensor at a time, beside the gradient of that layer's input.
     overhead_s, optimizer_s = ctx.machinery_s(unit, TERMS.kind)
     # One collective per ~25 MiB bucket, not per unit: the unit pays its share of a launch.
     bucket_share = min(1.0, b.grads / (BUCKET_CAP_MB * 2**20))
     # Accumulating, DDP's no-sync adds each micro-step's gradients into the same buckets: no extra bytes.
-    return ChoiceCost(str(choice), b.state, 0, b.largest_grad, ctx.compute_s(unit),
+    return ChoiceCost(str(choice), b.state, 0, backward_transient_bytes(unit, b, ctx), ctx.compute_s(unit),
                       ctx.once_per_step_s(all_reduce_s(b.grads, ctx.cluster.world_size, ctx.cluster)), prefetch_bytes=0,
                       exposed_s=ctx.once_per_step_s(ctx.world_latency_s() * bucket_share), overhead_s=overhead_s, optimizer_s=optimizer_s,
                       activation_bytes=ctx.activation_bytes(unit), forward_bytes=0)
+
+
+def backward_transient_bytes(unit: UnitProfile, b: UnitBytes, ctx: CostContext) -> int:
+    """Bytes a replicated unit's backward holds at once beyond its activations: the gradient in flight
+    and the gradient of its layer's input, as the profile measured them (the most any one layer
+    without children added in its backward, :attr:`UnitProfile.leaf_backward_rise_bytes`); what lies
+    above its largest gradient scales with the micro-batch. Not measured: its largest gradient."""
+    rise = unit.leaf_backward_rise_bytes
+    return b.largest_grad if rise is None else b.largest_grad + int(max(rise - b.largest_grad, 0) * ctx.batch_scale)
 
 
 def space(_options: ChoiceOptions, _cluster: ClusterSpec) -> tuple[Choice, ...]:

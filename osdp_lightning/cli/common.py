@@ -11,7 +11,13 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from osdp_lightning.budget import PLAN_HEADROOM_FRACTION, device_memory_bytes, parse_memory_budget
+from osdp_lightning.budget import (
+    UNMEASURED_HEADROOM_FRACTION,
+    PlanHeadroom,
+    device_memory_bytes,
+    parse_memory_budget,
+    plan_headroom,
+)
 from osdp_lightning.cluster import ClusterSpec, cluster_spec_from_config
 
 CONFIG_PATH = "pkg://osdp_lightning.conf"
@@ -33,20 +39,30 @@ def cluster_spec(cluster: DictConfig, budget_bytes: int | None = None, live: boo
     cluster is this machine), ``"70%"`` is a share of this machine's device as the strategy takes
     it; otherwise of the config's ``memory_per_device``.
 
-    NOTE: plans keep at least the strategy's default headroom free (PLAN_HEADROOM_FRACTION), so that a plan
-    made here is the plan ``osdp-train`` solves for the same budget.
+    NOTE: plans keep at least the strategy's default headroom free (:func:`default_headroom`), so that
+    a plan made here is the plan ``osdp-train`` solves for the same budget.
     """
     config = OmegaConf.to_container(cluster, resolve=True)
     budget = parse_memory_budget(config.get("memory_budget") or config.get("memory_per_device") or 0)
+    device = torch.device("cuda" if config.get("accelerator") == "gpu" else "cpu")
     if budget_bytes is None and live and budget.share is not None and not budget.needs_profile:
-        device = torch.device("cuda" if config.get("accelerator") == "gpu" else "cpu")
         budget_bytes = budget.of_device(device_memory_bytes(device, int(config["devices_per_node"])))
     spec = cluster_spec_from_config(config, memory_budget=budget_bytes)
     # The config's headroom bytes or the strategy's default share, whichever is larger (as a rule,
     # not a figure: the smallest budget that fits is found under the same rule).
+    default = default_headroom(device, int(config["devices_per_node"]) if live else 1)
     reason = "the larger of the config's cluster.headroom and " if spec.headroom_bytes else ""
-    return dataclasses.replace(spec, headroom_fraction=max(spec.headroom_fraction, PLAN_HEADROOM_FRACTION),
-                               headroom_reason=reason + "the strategy's default share")
+    return dataclasses.replace(spec, headroom_fraction=max(spec.headroom_fraction, default.share),
+                               headroom_reason=reason + default.reason)
+
+
+def default_headroom(device: torch.device, ranks_per_node: int) -> PlanHeadroom:
+    """The strategy's default headroom on ``device`` (CPU: as it keeps it; a GPU's before training
+    measures the allocator's fragmentation: its base share)."""
+    if device.type == "cuda":
+        return PlanHeadroom(0, UNMEASURED_HEADROOM_FRACTION, "the strategy's default share on a GPU, before "
+                            "training measures the allocator's fragmentation")
+    return plan_headroom(None, device, ranks_per_node=ranks_per_node)
 
 
 def check_cluster_runs_here(cluster: DictConfig, what: str) -> None:

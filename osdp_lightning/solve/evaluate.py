@@ -59,13 +59,13 @@ MEMORY_PARTS: dict[str, Callable[[ChoiceCost], int]] = {
     "live": lambda c: c.live_bytes, "forward": lambda c: c.forward_peak_bytes,
     "transient": lambda c: c.transient_bytes, "prefetch": lambda c: c.prefetch,
     "backward": lambda c: c.backward_prefetch, "late": lambda c: c.late_grad_bytes,
-    "reduce": lambda c: c.reduce_bytes}
+    "reduce": lambda c: c.reduce_bytes, "end": lambda c: c.forward_end_bytes}
 """The parts of a choice's memory the moment rows read (:func:`moment_peak`)."""
 
 
 def parts_of(costs: list[ChoiceCost]) -> tuple[list[int], ...]:
-    """Each part of :data:`MEMORY_PARTS` (live, forward, transient, prefetch, backward, late, reduce),
-    unit by unit."""
+    """Each part of :data:`MEMORY_PARTS` (live, forward, transient, prefetch, backward, late, reduce,
+    end), unit by unit."""
     return tuple([size(c) for c in costs] for size in MEMORY_PARTS.values())
 
 
@@ -89,7 +89,8 @@ def moment_peak(parts: tuple[list[int], ...], spans: list[bool], through: bool =
     """Largest bytes alive at once besides the state: the peak over every unit's forward and backward.
 
     At unit ``u``'s forward: the live bytes (held parameters, activations) of the units before it,
-    its own forward bytes and the buffer of the nearest unit before it that all-gathers; at its
+    its own forward bytes and the buffer of the nearest unit before it that all-gathers, or, when
+    its forward ends, the live bytes up to it and its own bytes still gathered (``end``); at its
     backward: the live bytes up to it and its transient beside that buffer or the one of the
     nearest unit after it, plus a reduce-scatter input (:func:`reduced_after`), less the sharded
     gradients (``late``) of the units up to it and of those spanning the step: not made yet, as
@@ -110,7 +111,7 @@ def moment_peak(parts: tuple[list[int], ...], spans: list[bool], through: bool =
 
 def _moments(parts: tuple[list[int], ...], spans: list[bool], through: bool = True) -> list[tuple[int, int]]:
     """Each unit's forward and backward moment of :func:`moment_peak`, besides the state."""
-    live, forward, transients, prefetches, backward, late, reduce = parts
+    live, forward, transients, prefetches, backward, late, reduce, end = parts
     buffer = [0, *carried_bytes(prefetches, through)[:-1]]
     before = [0, *carried_bytes(backward, through)[:-1]]
     after = [*carried_bytes(backward[::-1], through)[::-1][1:], 0]
@@ -122,7 +123,8 @@ def _moments(parts: tuple[list[int], ...], spans: list[bool], through: bool = Tr
     for u, spanning in enumerate(spans):
         upto = total if spanning else below + live[u]
         absent = absent if spanning else absent + late[u]
-        moments.append(((total if spanning else below) + forward[u] + buffer[u],
+        start = (total if spanning else below) + forward[u] + buffer[u]
+        moments.append((start if spanning else max(start, upto + end[u]),
                         upto + transients[u] + max(before[u], after[u]) + (0 if spanning else reduced[u] - absent)))
         below = below if spanning else upto
     return moments
@@ -167,12 +169,13 @@ def step_seconds(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> fl
 
 
 def memory_key(cost: ChoiceCost) -> tuple[int, ...]:
-    """State, live, forward, transient, prefetch and backward prefetch bytes, whether it gathers
+    """State, live, forward, forward end, transient, prefetch and backward prefetch bytes, whether it gathers
     nothing in forward / in backward, the sharded gradients it gives back (more is better) and its
     reduce-scatter input (priced as the largest after a unit: less is never worse)."""
     # NOTE: the peak grows with each of these (moment_peak). Gathering nothing (prefetch 0) lets a
     # farther unit's buffer through: worse in that respect than gathering a little, a key of its own.
-    return (cost.state_bytes, cost.live_bytes, cost.forward_peak_bytes, cost.transient_bytes, cost.prefetch,
+    return (cost.state_bytes, cost.live_bytes, cost.forward_peak_bytes, cost.forward_end_bytes,
+            cost.transient_bytes, cost.prefetch,
             cost.backward_prefetch, int(cost.prefetch == 0), int(cost.backward_prefetch == 0),
             -cost.late_grad_bytes, cost.reduce_bytes)
 
@@ -195,8 +198,8 @@ def undominated(unit: UnitCosts) -> list[ChoiceCost]:
 
 
 def own_moment_bytes(cost: ChoiceCost) -> int:
-    """Its larger own moment (forward or backward): what bounds hold for every plan use."""
-    return max(cost.forward_peak_bytes, cost.transient_bytes)
+    """Its largest own moment (forward, forward's end or backward): what bounds hold for every plan use."""
+    return max(cost.forward_peak_bytes, cost.live_bytes + cost.forward_end_bytes, cost.transient_bytes)
 
 
 def buffer_bytes(cost: ChoiceCost) -> int:

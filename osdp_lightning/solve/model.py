@@ -5,7 +5,8 @@
   ``live = held + activation`` (kept from a unit's forward to its backward) and ``T`` the peak of
   every unit's forward and backward moments (:func:`~osdp_lightning.solve.evaluate.moment_peak`)
   *less* the live bytes of all units, since each moment's row gives back those not alive there:
-  ``T >= forward[u] + Cf[u-1] - live[u] - S[u]`` (forward) and ``T >= transient[u] + Cb[u-1] - S[u]``,
+  ``T >= forward[u] + Cf[u-1] - live[u] - S[u]`` (forward), ``T >= end[u] - S[u]`` (the end of its
+  forward, its parameters still gathered) and ``T >= transient[u] + Cb[u-1] - S[u]``,
   ``T >= transient[u] + Ca[u+1] - S[u]`` (backward), where ``S[u] <= S[next] + live[next]`` sums the
   units after ``u`` (units that span the step are never given back). The memory row stays one
   knapsack row over every binary, which solvers cut well; a running sum in every row instead was
@@ -246,7 +247,8 @@ def _late_levels(problem: pulp.LpProblem, table: ChoiceTable, lates: list[_Level
 def _peak_rows(problem: pulp.LpProblem, peak_t: pulp.LpVariable, variables: list, levels: list,
                sizes: dict[str, list[_Level]], scale: int, carry: bool, spans: list[bool]) -> list[pulp.LpVariable]:
     """``T >=`` each unit's forward moment (its forward bytes, the forward buffer before it, less
-    the live bytes not alive there) and backward moment (its transient, the backward gather beside
+    the live bytes not alive there), the end of its forward (its bytes still gathered, less the
+    live bytes of the units after it) and backward moment (its transient, the backward gather beside
     it on either side and the reduce-scatter input after it, less the same and the sharded
     gradients not made yet), buffers carried from the nearest unit that gathers (``carry``) or its
     neighbour's own; the carry variables. ``T`` is the peak less every unit's live bytes, which
@@ -267,6 +269,7 @@ def _peak_rows(problem: pulp.LpProblem, peak_t: pulp.LpVariable, variables: list
                  if 0 <= u + step < len(levels)] or [("single", empty)]
         reduced = carried[_REDUCE][u + 1] if u + 1 < len(levels) and not spans[u] else empty
         moments = [("w", (below,), sizes["forward"][u], carried[_FORWARD][u - 1] if u else empty),
+                   *([] if spans[u] else [("e", (upto,), sizes["end"][u], empty)]),
                    *((tag, (upto, late, reduced), sizes["transient"][u], side) for tag, side in sides)]
         for tag, parts, own, side in moments:
             parts = (*parts, own, side)
