@@ -61,6 +61,7 @@ def build_choice_table(profile: ModelProfile, cluster: ClusterSpec, micro_batch_
         fixed_bytes=profile.fixed_bytes,
         micro_batch_size=batch,
         fixed_step_s=cluster.step_terms.loop_step_s if cluster.step_terms is not None else 0.0,
+        optimizer_step_bytes=profile.optimizer_step_bytes,
     )
 
 

@@ -225,6 +225,9 @@ class ChoiceTable:
     micro_batch_size: int
     fixed_step_s: float = 0.0
     """Seconds every step pays whatever the choices (the training loop's own constant)."""
+    optimizer_step_bytes: int = 0
+    """Bytes the optimizer step allocates beside the state (:attr:`ModelProfile.optimizer_step_bytes`):
+    its moment is the state, the fixed bytes and these, after backward has freed every activation."""
 
 
 # NOTE: with step terms (measured at setup, or a cluster config's) each kind costs what it was

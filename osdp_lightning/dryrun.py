@@ -132,7 +132,8 @@ def estimate_recipe_profile(cfg: object, cluster: ClusterSpec) -> tuple[ModelPro
         factory, batch, peak_flops_per_s=cluster.peak_flops_per_s,
         compute_efficiency=float(cfg.get("compute_efficiency", DEFAULT_COMPUTE_EFFICIENCY)),  # type: ignore[attr-defined]
         precision=str(cfg.get("precision", default_precision)),  # type: ignore[attr-defined]
-        split_factors=tuple(strategy.get("split_factors") or ()), **units)
+        split_factors=tuple(strategy.get("split_factors") or ()),
+        optimizer_foreach=True if cfg.cluster.accelerator == "gpu" else None, **units)  # type: ignore[attr-defined]
     return profile, tokens_per_sample
 
 

@@ -36,7 +36,11 @@ from osdp_lightning.fakestep import (
     run_fake_step,
     step_runner,
 )
-from osdp_lightning.optim_state import configured_optimizer, optimizer_state_bytes_per_param
+from osdp_lightning.optim_state import (
+    configured_optimizer,
+    optimizer_state_bytes_per_param,
+    optimizer_step_bytes,
+)
 from osdp_lightning.profile import (
     ModelProfile,
     UnitProfile,
@@ -68,7 +72,9 @@ def estimate_profile(model: ModelSource, batch: object, *, peak_flops_per_s: flo
                      unit_module_types: Sequence[str | type] | None = None,
                      unit_name_patterns: Sequence[str] | None = None,
                      min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS,
-                     split_factors: Sequence[int] = (2, 4, 8), with_parts: bool = False) -> ModelProfile:
+                     split_factors: Sequence[int] = (2, 4, 8), with_parts: bool = False,
+                     optimizer_device: torch.device | None = None, optimizer_foreach: bool | None = None
+                     ) -> ModelProfile:
     """A :class:`ModelProfile` of ``model`` on ``batch`` without running it for real.
 
     ``model`` is a module (copied onto fake tensors) or a function that builds one (a
@@ -76,7 +82,9 @@ def estimate_profile(model: ModelSource, batch: object, *, peak_flops_per_s: flo
     ``batch`` is one real batch or the same structure of meta tensors (shapes and dtypes only).
     Optimizer state bytes come from ``configure_optimizers`` when the module has it, else pass
     ``optimizer_bytes_per_param`` (default: Adam's two states). ``with_parts``: blocks carry their
-    parts (as in the measured profile), so that a plan may descend into them.
+    parts (as in the measured profile), so that a plan may descend into them. The optimizer step's
+    own bytes are measured on ``optimizer_device`` (default: the CPU), by torch's default path there
+    or ``optimizer_foreach`` (a GPU's default is the foreach path).
     """
     start = time.perf_counter()
     if peak_flops_per_s <= 0 or not 0 < compute_efficiency <= 1:
@@ -106,15 +114,19 @@ def estimate_profile(model: ModelSource, batch: object, *, peak_flops_per_s: flo
     seconds_per_flop = 1.0 / (peak_flops_per_s * compute_efficiency)
     elem = trainable[0].element_size()
     units = _unit_profiles(module, specs, step, seconds_per_flop, elem, tuple(split_factors), rises, with_parts)
-    if optimizer_bytes_per_param is None:
-        optimizer_bytes_per_param = _optimizer_bytes_per_param(module, trainable[0].dtype)
+    optimizer = configured_optimizer(module)
+    if optimizer_bytes_per_param is None:  # NOTE: without an optimizer, Adam's two states
+        optimizer_bytes_per_param = (optimizer_state_bytes_per_param(optimizer, trainable[0].dtype)
+                                     if optimizer is not None else 2 * elem)
+    step_bytes = 0 if optimizer is None else optimizer_step_bytes(
+        optimizer, optimizer_device or torch.device("cpu"), optimizer_foreach)
     return ModelProfile(
         units=units, micro_batch_size=micro_batch, param_bytes_per_element=elem,
         grad_bytes_per_element=elem, compute_bytes_per_element=elem, reduce_bytes_per_element=elem,
         optimizer_bytes_per_param=optimizer_bytes_per_param, activation_bytes=per_batch_bytes,
         fixed_bytes=tensor_bytes(batch) + single - per_batch_bytes,
         step_s=(sum(step.forward_flops.values()) + sum(step.backward_flops.values())) * seconds_per_flop,
-        profile_s=time.perf_counter() - start)
+        profile_s=time.perf_counter() - start, optimizer_step_bytes=step_bytes)
 
 
 def _unit_profiles(module: nn.Module, specs: Sequence[UnitSpec], step: FakeStep, seconds_per_flop: float,
@@ -156,11 +168,3 @@ def _split_overhead_s(k: int, output_bytes: int, seconds_per_flop: float) -> flo
     passes, and summing ``k`` partial outputs (memory-bound: two reads and a write per element)."""
     seconds_per_byte = seconds_per_flop * PEAK_FLOPS_PER_MEMORY_BYTE
     return (k - 1) * (3 * KERNEL_LAUNCH_S + 3 * output_bytes * seconds_per_byte)
-
-
-def _optimizer_bytes_per_param(module: nn.Module, dtype: torch.dtype) -> int:
-    """State bytes per parameter of the optimizer ``configure_optimizers`` builds (Adam if none)."""
-    optimizer = configured_optimizer(module)
-    if optimizer is None:
-        return 2 * torch.empty((), dtype=dtype).element_size()
-    return optimizer_state_bytes_per_param(optimizer, dtype)

@@ -353,6 +353,14 @@ class _LiveBytes(TorchDispatchMode):
                 self.open[name] = (start, total)
 
 
+def peak_new_bytes(run: Callable[[], object], existing: Sequence[torch.Tensor]) -> int:
+    """The most bytes of the storages ``run`` creates (not those of ``existing``) alive at once."""
+    tracker = _LiveBytes({storage_key(t) for t in existing})
+    with tracker:
+        run()
+    return tracker.peak_total
+
+
 def activation_peak(module: nn.Module, run_loss: Callable[[], torch.Tensor], specs: Sequence[UnitSpec] = ()
                     ) -> tuple[int, dict[str, int]]:
     """Bytes of one fake forward+backward that are neither parameters nor gradients at the step's

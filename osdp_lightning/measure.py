@@ -18,7 +18,7 @@ from osdp_lightning.choices import REGISTRY, ChoiceOptions
 from osdp_lightning.choices.base import StepContext
 from osdp_lightning.choices.checkpointing import find_unreplayable
 from osdp_lightning.guards import preserved_state
-from osdp_lightning.optim_state import optimizer_state_bytes_per_param
+from osdp_lightning.optim_state import optimizer_state_bytes_per_param, optimizer_step_bytes
 from osdp_lightning.profile import (
     ModelProfile,
     UnitProfile,
@@ -65,6 +65,7 @@ def profile_lightning_module(module: nn.Module, batch: object | None = None, *,
         param_bytes_per_element=elem, grad_bytes_per_element=elem, compute_bytes_per_element=elem,
         reduce_bytes_per_element=elem,
         optimizer_bytes_per_param=optimizer_state_bytes_per_param(optimizer, dtype) if optimizer else 0,
+        optimizer_step_bytes=optimizer_step_bytes(optimizer, device) if optimizer else 0,
         activation_bytes=activation_bytes, fixed_bytes=tensor_bytes(inputs), step_s=step_s,
         profile_s=time.perf_counter() - start)
 

@@ -4,9 +4,15 @@ than from a table of known classes."""
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 from torch import nn
+
+from osdp_lightning.fakestep import peak_new_bytes
+
+PROBE_BYTES = 2**22
+"""Bytes of stand-in parameters :func:`optimizer_step_bytes` steps over (the model's, scaled down)."""
 
 
 def configured_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
@@ -47,3 +53,34 @@ def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer, dtype: tor
     state = clone.state.get(probe, {})
     return sum(t.numel() * t.element_size() for t in state.values()
                if isinstance(t, torch.Tensor) and t.numel() == probe.numel()) // probe.numel()
+
+
+def optimizer_step_bytes(optimizer: torch.optim.Optimizer, device: torch.device, foreach: bool | None = None) -> int:
+    """Bytes one step of ``optimizer`` allocates beside its parameters, gradients and state (its
+    temporaries: torch's per-tensor Adam holds two of one tensor's size beside the previous
+    tensor's, the foreach path a share of the whole group), found by stepping a same-configured
+    optimizer on ``device`` over stand-ins of its parameter groups, every tensor scaled down by one
+    factor (the temporaries scale with it), then scaled back. ``foreach``: the path to price (a dry
+    run prices a GPU's default on a CPU); ``None``: the optimizer's default on ``device``. 0 for an
+    optimizer whose step needs a closure (L-BFGS)."""
+    groups = [[p for p in group["params"] if p.requires_grad] for group in optimizer.param_groups]
+    params = [p for group in groups for p in group]
+    if not params:
+        return 0
+    scale = max(1, math.ceil(sum(p.numel() * p.element_size() for p in params) / PROBE_BYTES))
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    options = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+    if foreach is not None and "foreach" in accepted:
+        options["foreach"] = foreach
+    stand_ins = [[torch.zeros(math.ceil(p.numel() / scale), dtype=p.dtype, device=device, requires_grad=True)
+                  for p in group] for group in groups]
+    clone = type(optimizer)([{"params": group} for group in stand_ins if group], **options)
+    for tensor in (t for group in stand_ins for t in group):
+        tensor.grad = torch.full_like(tensor, 1e-3)
+    try:
+        clone.step()  # NOTE: the first step makes the state; the second allocates only temporaries
+    except TypeError:  # a step that needs a closure
+        return 0
+    kept = [*(t for group in stand_ins for t in group), *(t.grad for group in stand_ins for t in group),
+            *(v for state in clone.state.values() for v in state.values() if isinstance(v, torch.Tensor))]
+    return scale * peak_new_bytes(clone.step, kept)

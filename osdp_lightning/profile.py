@@ -95,6 +95,10 @@ class ModelProfile:
     """Bytes every plan pays besides units and activations (the input batch)."""
     step_s: float = 0.0
     """Measured forward+backward seconds of the whole step (unwrapped model)."""
+    optimizer_step_bytes: int = 0
+    """Bytes one step of the model's optimizer allocates beside parameters, gradients and state (its
+    temporaries; :func:`osdp_lightning.optim_state.optimizer_step_bytes`), with every parameter
+    whole: the price of every plan (an upper bound where units are sharded); 0: not known."""
     profile_s: float = 0.0
     """Wall seconds the profiling took."""
 

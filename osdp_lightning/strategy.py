@@ -117,8 +117,8 @@ class OSDPStrategy(ModelParallelStrategy):
             models solve to optimality in well under a second, 1,000-2,000 units in seconds
             with HiGHS (the default); CBC (used without ``highspy``) can take minutes there.
         headroom: Part of the budget plans keep free for what the memory model misses: a share
-            (``0.05``) or bytes (``"256MiB"``). Default: 3% on CPU (a point above the model's largest
-            measured miss), 4% with more ranks than cores, on CUDA 4% plus the allocator's
+            (``0.05``) or bytes (``"256MiB"``). Default: 2.5% on CPU (over a point above the model's
+            largest measured miss), 4% with more ranks than cores, on CUDA 4% plus the allocator's
             fragmentation measured while profiling (:func:`osdp_lightning.budget.plan_headroom`).
         calibration_cache: Reuse the step-time terms measured earlier on this machine: the median of
             its last three calibrations (``$OSDP_LIGHTNING_CALIBRATION_DRAWS`` to change how many); the

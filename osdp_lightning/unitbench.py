@@ -72,7 +72,8 @@ def profile_from_shapes(module: nn.Module, batch: object, device: torch.device, 
     # NOTE: one second per FLOP: the estimate's times are its FLOP counts, priced below.
     counted = estimate_profile(template, batch, peak_flops_per_s=1.0, compute_efficiency=1.0, precision=precision,
                                unit_module_types=unit_module_types, unit_name_patterns=unit_name_patterns,
-                               min_unit_params=min_unit_params, split_factors=split_factors, with_parts=True)
+                               min_unit_params=min_unit_params, split_factors=split_factors, with_parts=True,
+                               optimizer_device=device)
     specs = {s.name: s for s in select_units(template, unit_module_types, unit_name_patterns, min_unit_params)}
     calls = record_unit_calls(template, batch, list(specs.values()), precision)
     measured: dict[str, UnitProfile] = {}

@@ -20,13 +20,21 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from toy_models import MLP, TiedLM, TorchTransformer  # noqa: E402
 
 import osdp_lightning  # noqa: E402
-from osdp_lightning import OSDPStrategy, Plan, PlanMismatchError, make_plan, parse_bytes  # noqa: E402
+from osdp_lightning import (  # noqa: E402
+    OSDPStrategy,
+    Plan,
+    PlanMismatchError,
+    make_plan,
+    optim_state,  # noqa: E402
+    parse_bytes,
+)
 from osdp_lightning.choice_table import build_choice_table  # noqa: E402
 from osdp_lightning.choices import choice_cost  # noqa: E402
 from osdp_lightning.cluster import ClusterSpec  # noqa: E402
 from osdp_lightning.cost import CostContext, all_reduce_s  # noqa: E402
+from osdp_lightning.fakestep import peak_new_bytes  # noqa: E402
 from osdp_lightning.measure import profile_lightning_module  # noqa: E402
-from osdp_lightning.optim_state import optimizer_state_bytes_per_param  # noqa: E402
+from osdp_lightning.optim_state import optimizer_state_bytes_per_param, optimizer_step_bytes  # noqa: E402
 from osdp_lightning.plan import InfeasibleBudgetError  # noqa: E402
 from osdp_lightning.profile import ModelProfile, UnitProfile  # noqa: E402
 from osdp_lightning.units import select_units  # noqa: E402
@@ -114,6 +122,28 @@ def test_optimizer_state_is_read_from_the_optimizer() -> None:
     assert optimizer_state_bytes_per_param(torch.optim.AdamW(p), torch.float32) == 8
     assert optimizer_state_bytes_per_param(torch.optim.SGD(p, lr=0.1, momentum=0.9), torch.float32) == 4
     assert optimizer_state_bytes_per_param(torch.optim.SGD(p, lr=0.1), torch.float32) == 0
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_the_optimizer_steps_own_bytes_are_measured_on_scaled_stand_ins(foreach: bool,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe's stand-ins, 16x smaller than the parameters, price the real step's temporaries: torch's
+    per-tensor AdamW holds two of a tensor's size beside the previous one's (matrices of one group
+    follow each other: three 64 KiB matrices), the foreach path about the whole group."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(128, 128)) for _ in range(3)] + [nn.Parameter(torch.randn(128))]
+    groups = [{"params": params[:3], "weight_decay": 0.1}, {"params": params[3:], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=1e-3, foreach=foreach)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer.step()  # the state
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    real = peak_new_bytes(optimizer.step, [*params, *(p.grad for p in params), *state])
+    monkeypatch.setattr(optim_state, "PROBE_BYTES", 2**14)  # about a sixteenth of the parameters
+    probed = optimizer_step_bytes(optimizer, torch.device("cpu"))
+    assert real >= (3 if not foreach else 1) * 128 * 128 * 4 * 0.99
+    assert probed == pytest.approx(real, rel=0.02)
+    assert optimizer_step_bytes(torch.optim.LBFGS(params), torch.device("cpu")) == 0  # its step needs a closure
 
 
 # -- units and profiling -----------------------------------------------------------------------

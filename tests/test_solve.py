@@ -33,16 +33,17 @@ REL_TOL = 1e-8
 
 
 def make_table(units: list[list[tuple | ChoiceCost]], overlaps: list[float] | None = None, activation: int = 0,
-               fixed: int = 0, spans: list[bool] | None = None) -> ChoiceTable:
+               fixed: int = 0, spans: list[bool] | None = None, optimizer: int = 0) -> ChoiceTable:
     """``units[u]`` lists ``(name, state, held, transient, compute_s, comm_s[, prefetch])`` (or a
-    ``ChoiceCost``) per choice; ``spans[u]``: the unit's live bytes count in every moment."""
+    ``ChoiceCost``) per choice; ``spans[u]``: the unit's live bytes count in every moment;
+    ``optimizer``: the optimizer step's own bytes."""
     overlaps = overlaps or [0.0] * len(units)
     spans = spans or [False] * len(units)
     return ChoiceTable(
         units=tuple(UnitCosts(f"u{u}", tuple(c if isinstance(c, ChoiceCost) else ChoiceCost(*c) for c in choices),
                               overlap, spans_step=spanning)
                     for u, (choices, overlap, spanning) in enumerate(zip(units, overlaps, spans, strict=True))),
-        activation_bytes=activation, fixed_bytes=fixed, micro_batch_size=1)
+        activation_bytes=activation, fixed_bytes=fixed, micro_batch_size=1, optimizer_step_bytes=optimizer)
 
 
 def random_table(seed: int) -> ChoiceTable:
@@ -86,7 +87,10 @@ def random_table(seed: int) -> ChoiceTable:
     for u in range(1, len(units)):
         if twins.random() < 0.4:
             units[u], overlaps[u] = units[u - 1], overlaps[u - 1]
-    return make_table(units, overlaps, rng.randint(0, 1000 * factor), rng.randint(0, 1000 * factor), spans)
+    # An optimizer step that allocates beside the state (its own stream: the other draws stay as they were)
+    steps = random.Random(seed + 104729)
+    optimizer = steps.randint(0, 4000 * factor) if steps.random() < 0.4 else 0
+    return make_table(units, overlaps, rng.randint(0, 1000 * factor), rng.randint(0, 1000 * factor), spans, optimizer)
 
 
 def evaluate(table: ChoiceTable, combo: tuple[ChoiceCost, ...], pair_term: bool = True,
@@ -101,7 +105,7 @@ def evaluate(table: ChoiceTable, combo: tuple[ChoiceCost, ...], pair_term: bool 
     reduce-scatter input of the units after it that do not span the step, less the sharded
     gradients of the units up to it and of those spanning the step); units that span the step are
     alive in every moment and see every unit in theirs, with no reduce-scatter input and nothing
-    given back.
+    given back. The optimizer step: the state, the fixed bytes and its own, nothing else.
     """
     transients = [c.transient_bytes for c in combo]
     held = [c.transient_bytes if c.prefetch_bytes is None else c.prefetch_bytes for c in combo]
@@ -130,7 +134,8 @@ def evaluate(table: ChoiceTable, combo: tuple[ChoiceCost, ...], pair_term: bool 
         ended = 0 if combo[u].forward_bytes is None or spans[u] else max(combo[u].forward_bytes - combo[u].held_bytes, 0)
         moments += [alive(u, False) + forward[u] + before, alive(u, True) + ended,
                     alive(u, True) + transients[u] + beside + extra]
-    peak = sum(c.state_bytes for c in combo) + max(moments) + table.activation_bytes + table.fixed_bytes
+    state = sum(c.state_bytes for c in combo)
+    peak = max(state + max(moments) + table.activation_bytes, state + table.optimizer_step_bytes) + table.fixed_bytes
     step = sum(c.compute_s + max(c.exposed_s, c.comm_s - (u.overlap_s if overlap else 0.0))
                for u, c in zip(table.units, combo, strict=True))
     return peak, step

@@ -50,9 +50,10 @@ def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
 
 def backward_transient_bytes(unit: UnitProfile, b: UnitBytes, ctx: CostContext) -> int:
     """Bytes a replicated unit's backward holds at once beyond its activations: the gradient in flight
-    and the gradient of its layer's input, as the profile measured them (the most any one layer
-    without children added in its backward, :attr:`UnitProfile.leaf_backward_rise_bytes`); what lies
-    above its largest gradient scales with the micro-batch. Not measured: its largest gradient."""
+    and the gradient of its layer's input, as the profile measured them (the most any one layer, a
+    module with parameters and no children, added in its backward:
+    :attr:`UnitProfile.leaf_backward_rise_bytes`); what lies above its largest gradient scales with
+    the micro-batch. Not measured: its largest gradient."""
     rise = unit.leaf_backward_rise_bytes
     return b.largest_grad if rise is None else b.largest_grad + int(max(rise - b.largest_grad, 0) * ctx.batch_scale)
 

@@ -141,9 +141,19 @@ def transient_ceiling(transients: list[int], prefetches: list[int], reduces: Seq
 
 
 def peak_bytes(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> int:
-    """Exact per-rank peak of an assignment under the model the ILP uses."""
+    """Exact per-rank peak of an assignment under the model the ILP uses: every unit's moments and
+    the optimizer step's (the state, the fixed bytes and the step's own, :func:`optimizer_moment_bytes`)."""
     moments = moment_bytes(table, choices)
-    return max(max(moment) for moment in moments) if moments else table.activation_bytes + table.fixed_bytes
+    state = sum(cost.state_bytes for cost in chosen_costs(table, choices))
+    peak = max(max(moment) for moment in moments) if moments else table.activation_bytes + table.fixed_bytes
+    return max(peak, state + table.fixed_bytes + table.optimizer_step_bytes)
+
+
+def optimizer_moment_bytes(table: ChoiceTable) -> int:
+    """The optimizer step's moment besides the state, the activations and the fixed bytes, in the
+    terms of :func:`moment_peak` (which counts the activations in every moment; by the optimizer
+    step backward has freed them): negative when no plan peaks there."""
+    return table.optimizer_step_bytes - table.activation_bytes
 
 
 def moment_bytes(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> list[tuple[int, int]]:
@@ -219,6 +229,7 @@ def peak_lower_bound(table: ChoiceTable) -> int:
                   for name, size in MEMORY_PARTS.items())
     # Neighbours only: with each unit's least prefetch, a carried buffer could be one no plan has.
     moments = moment_peak(parts, [unit.spans_step for unit in table.units], through=False)
+    moments = max(moments, optimizer_moment_bytes(table))
     return sum(min(c.state_bytes for c in unit.choices) for unit in table.units) + moments + table.activation_bytes + table.fixed_bytes
 
 

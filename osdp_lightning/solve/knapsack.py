@@ -33,7 +33,8 @@ def knapsack_dp(table: ChoiceTable, budget_bytes: int, resolution_bytes: int = 2
       and all counted at once (as if every unit's moment came when all are alive);
     - the prefetch-pair maximum depends on two neighbouring choices, which an additive knapsack
       cannot see, so it reserves the worst pair over all choices of every consecutive pair (the
-      larger of each choice's forward and transient bytes beside the largest other buffer);
+      larger of each choice's forward and transient bytes beside the largest other buffer), or
+      the optimizer step's own bytes where they are more;
     - step seconds are additive per unit, so the objective is the same as the ILP's.
 
     Its plans are therefore feasible for the ILP too, and the ILP is never slower.
@@ -44,7 +45,9 @@ def knapsack_dp(table: ChoiceTable, budget_bytes: int, resolution_bytes: int = 2
     worst = [max(map(own_moment_bytes, unit.choices)) for unit in units]
     worst_prefetch = [max(map(buffer_bytes, unit.choices)) for unit in units]
     worst_reduce = [max(c.reduce_bytes for c in unit.choices) for unit in units]
-    reserve = transient_ceiling(worst, worst_prefetch, worst_reduce) + table.activation_bytes + table.fixed_bytes
+    # NOTE: the optimizer step's moment (state, fixed and its own bytes) lies below persistent + its own bytes
+    reserve = max(transient_ceiling(worst, worst_prefetch, worst_reduce) + table.activation_bytes,
+                  table.optimizer_step_bytes) + table.fixed_bytes
     weights = [[-(-c.persistent_bytes // resolution_bytes) for c in u.choices] for u in units]
     capacity = (budget_bytes - reserve) // resolution_bytes - sum(min(w) for w in weights)
     if capacity < 0:

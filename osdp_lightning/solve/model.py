@@ -8,7 +8,8 @@
   ``T >= forward[u] + Cf[u-1] - live[u] - S[u]`` (forward), ``T >= end[u] - S[u]`` (the end of its
   forward, its parameters still gathered) and ``T >= transient[u] + Cb[u-1] - S[u]``,
   ``T >= transient[u] + Ca[u+1] - S[u]`` (backward), where ``S[u] <= S[next] + live[next]`` sums the
-  units after ``u`` (units that span the step are never given back). The memory row stays one
+  units after ``u`` (units that span the step are never given back), and ``T >= optimizer - activations
+  - sum(live)`` (the optimizer step: no unit's live bytes are alive then). The memory row stays one
   knapsack row over every binary, which solvers cut well; a running sum in every row instead was
   5-25x slower. ``Cf[u]`` is the forward all-gather buffer (``prefetch``) of the nearest unit at or
   before ``u`` that all-gathers, ``Cb[u]`` / ``Ca[u]`` the backward gather (``backward_prefetch``)
@@ -47,6 +48,7 @@ from osdp_lightning.solve.evaluate import (
     chosen_costs,
     memory_key,
     moment_peak,
+    optimizer_moment_bytes,
     own_moment_bytes,
     parts_of,
     reduced_after,
@@ -166,12 +168,16 @@ def build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> M
     levels = [(below, upto, late) for (below, upto), late in zip(levels, gone, strict=True)]
     spans = [unit.spans_step for unit in table.units]
     carries = _peak_rows(problem, peak_t, variables, levels, sizes, scale, carry, spans)
+    if table.optimizer_step_bytes:
+        # T >= the optimizer step's moment less every unit's live bytes (none is alive there)
+        row = _summed([(peak_t, 1.0), *(term for _, terms in lives for term in terms)])
+        problem += row >= (optimizer_moment_bytes(table) + sum(constant for constant, _ in lives)) / scale, "optimizer"
     forbidden = _order_rows(problem, table, variables, carry) if prune else {}
     memory = _summed([*kept_terms, (peak_t, 1.0)])
     largest = [[max(map(size, (c for c, _ in pairs))) for pairs in variables] for size in (
         own_moment_bytes, buffer_bytes, MEMORY_PARTS["reduce"])]
     max_peak = (offset + round(sum(coef for _, coef in kept_terms) * scale)
-                + transient_ceiling(*largest))
+                + max(transient_ceiling(*largest), optimizer_moment_bytes(table)))
     memory_row = memory <= (max_peak + 1 - offset) / scale  # constrains nothing until a budget is set
     problem += memory_row, "memory"
     columns = (peak_t, *suffix_vars, *prefix_vars, *carries, *(x for pairs in variables for _, x in pairs))
@@ -393,7 +399,8 @@ def seed_values(table: ChoiceTable, model: Model, choices: Sequence[str]) -> tup
               for pairs, choice in zip(model.variables, choices, strict=True) for c, x in pairs}
     costs = chosen_costs(table, choices)
     spans = [unit.spans_step for unit in table.units]
-    values["T"] = (moment_peak(parts_of(costs), spans) - sum(c.live_bytes for c in costs)) / model.scale
+    peak = max(moment_peak(parts_of(costs), spans), optimizer_moment_bytes(table))
+    values["T"] = (peak - sum(c.live_bytes for c in costs)) / model.scale
     suffix = 0.0
     for u in range(len(costs) - 1, -1, -1):
         if not spans[u]:
