@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,11 +35,13 @@ def _first_optimizer(configured: object) -> torch.optim.Optimizer | None:
     return None
 
 
-def clone_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """A new optimizer of ``optimizer``'s class and settings over ``params``."""
+def clone_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter] | list[dict[str, Any]],
+                    **overrides: Any) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class and settings over ``params`` (tensors or groups), with
+    the ``overrides`` its class accepts."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
-    return type(optimizer)(params, **defaults)
+    settings = {k: v for k, v in {**optimizer.defaults, **overrides}.items() if k in accepted and k != "params"}
+    return type(optimizer)(params, **settings)
 
 
 def optimizer_state_bytes_per_param(optimizer: torch.optim.Optimizer, dtype: torch.dtype) -> int:
@@ -62,24 +66,29 @@ def optimizer_step_bytes(optimizer: torch.optim.Optimizer, device: torch.device,
     optimizer on ``device`` over stand-ins of its parameter groups, every tensor scaled down by one
     factor (the temporaries scale with it), then scaled back. ``foreach``: the path to price (a dry
     run prices a GPU's default on a CPU); ``None``: the optimizer's default on ``device``. 0 for an
-    optimizer whose step needs a closure (L-BFGS)."""
+    optimizer whose step needs a closure (L-BFGS), and with a warning for one that cannot step the
+    stand-ins."""
     groups = [[p for p in group["params"] if p.requires_grad] for group in optimizer.param_groups]
     params = [p for group in groups for p in group]
     if not params:
         return 0
     scale = max(1, math.ceil(sum(p.numel() * p.element_size() for p in params) / PROBE_BYTES))
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    options = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
-    if foreach is not None and "foreach" in accepted:
-        options["foreach"] = foreach
     stand_ins = [[torch.zeros(math.ceil(p.numel() / scale), dtype=p.dtype, device=device, requires_grad=True)
                   for p in group] for group in groups]
-    clone = type(optimizer)([{"params": group} for group in stand_ins if group], **options)
+    # NOTE: each group's own settings too (Adam's weight decay adds a gradient-sized tensor; AdamW's does not)
+    path = {} if foreach is None else {"foreach": foreach}
+    clone = clone_optimizer(optimizer, [{**group, **path, "params": stand_in}
+                                        for group, stand_in in zip(optimizer.param_groups, stand_ins, strict=True)
+                                        if stand_in], **path)
     for tensor in (t for group in stand_ins for t in group):
         tensor.grad = torch.full_like(tensor, 1e-3)
     try:
         clone.step()  # NOTE: the first step makes the state; the second allocates only temporaries
     except TypeError:  # a step that needs a closure
+        return 0
+    except Exception as err:  # noqa: BLE001  (an optimizer that cannot step flat stand-ins: Muon needs matrices)
+        warnings.warn(f"the memory model leaves out the {type(optimizer).__name__} step's own bytes: a step over "
+                      f"stand-ins of its parameters raised {type(err).__name__}: {err}", stacklevel=2)
         return 0
     kept = [*(t for group in stand_ins for t in group), *(t.grad for group in stand_ins for t in group),
             *(v for state in clone.state.values() for v in state.values() if isinstance(v, torch.Tensor))]
