@@ -143,10 +143,10 @@ def transient_ceiling(transients: list[int], prefetches: list[int], reduces: Seq
 def peak_bytes(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> int:
     """Exact per-rank peak of an assignment under the model the ILP uses: every unit's moments and
     the optimizer step's (the state, the fixed bytes and the step's own, :func:`optimizer_moment_bytes`)."""
-    moments = moment_bytes(table, choices)
-    state = sum(cost.state_bytes for cost in chosen_costs(table, choices))
-    peak = max(max(moment) for moment in moments) if moments else table.activation_bytes + table.fixed_bytes
-    return max(peak, state + table.fixed_bytes + table.optimizer_step_bytes)
+    costs = chosen_costs(table, choices)
+    moments = moment_peak(parts_of(costs), [unit.spans_step for unit in table.units])
+    return (sum(cost.state_bytes for cost in costs) + table.activation_bytes + table.fixed_bytes
+            + max(moments, optimizer_moment_bytes(table)))
 
 
 def optimizer_moment_bytes(table: ChoiceTable) -> int:
@@ -158,7 +158,8 @@ def optimizer_moment_bytes(table: ChoiceTable) -> int:
 
 def moment_bytes(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> list[tuple[int, int]]:
     """Per unit, the bytes per rank the model the ILP uses predicts at its forward and at its
-    backward moment (docs/design.md section 4); :func:`peak_bytes` is the largest."""
+    backward moment (docs/design.md section 4); :func:`peak_bytes` is the largest of these and the
+    optimizer step's."""
     costs = chosen_costs(table, choices)
     below = sum(cost.state_bytes for cost in costs) + table.activation_bytes + table.fixed_bytes
     moments = _moments(parts_of(costs), [unit.spans_step for unit in table.units])
