@@ -15,6 +15,10 @@ from osdp_lightning.fakestep import peak_new_bytes
 
 PROBE_BYTES = 2**22
 """Bytes of stand-in parameters :func:`optimizer_step_bytes` steps over (the model's, scaled down)."""
+MIN_PROBE_SCALE = 8
+"""The stand-ins are at most this much smaller than the parameters: with their gradients, the state
+and the step's temporaries (about seven of them) the probe stays below the parameters' own bytes,
+inside the memory setup may use."""
 
 
 def configured_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
@@ -72,7 +76,7 @@ def optimizer_step_bytes(optimizer: torch.optim.Optimizer, device: torch.device,
     params = [p for group in groups for p in group]
     if not params:
         return 0
-    scale = max(1, math.ceil(sum(p.numel() * p.element_size() for p in params) / PROBE_BYTES))
+    scale = max(MIN_PROBE_SCALE, math.ceil(sum(p.numel() * p.element_size() for p in params) / PROBE_BYTES))
     stand_ins = [[torch.zeros(math.ceil(p.numel() / scale), dtype=p.dtype, device=device, requires_grad=True)
                   for p in group] for group in groups]
     # NOTE: each group's own settings too (Adam's weight decay adds a gradient-sized tensor; AdamW's does not)

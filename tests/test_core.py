@@ -146,6 +146,15 @@ def test_the_optimizer_steps_own_bytes_are_measured_on_scaled_stand_ins(foreach:
     assert optimizer_step_bytes(torch.optim.LBFGS(params), torch.device("cpu")) == 0  # its step needs a closure
 
 
+def test_the_optimizer_probe_allocates_less_than_the_parameters() -> None:
+    """Setup stays inside the budget: a model under the probe's size is stepped on smaller stand-ins,
+    not on a copy of itself (whose gradients, Adam state and temporaries would be 5-6 times it)."""
+    params = [nn.Parameter(torch.randn(256, 256)) for _ in range(4)]
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    probed = peak_new_bytes(lambda: optimizer_step_bytes(optimizer, torch.device("cpu")), params)
+    assert 0 < probed < sum(p.numel() * p.element_size() for p in params)
+
+
 # -- units and profiling -----------------------------------------------------------------------
 def test_tied_modules_form_one_unit_and_small_modules_stay_with_the_root() -> None:
     names = [s.name for s in select_units(TiedLM())]
