@@ -99,6 +99,11 @@ def test_cost_formulas_by_hand() -> None:
     assert rep.state_bytes == p * (4 + 4 + 8) and rep.transient_bytes == 4 * p and rep.prefetch_bytes == 0
     known = dataclasses.replace(unit, largest_tensor_count=600)
     assert choice_cost(known, "replicate", CostContext(profile, CLUSTER)).transient_bytes == 4 * 600
+    # measured: a layer's weight gradient beside its input's gradient; the part above the largest
+    # gradient grows with the micro-batch (2x here)
+    layer = dataclasses.replace(known, leaf_backward_rise_bytes=4 * 600 + 1000)
+    assert choice_cost(layer, "replicate", CostContext(profile, CLUSTER)).transient_bytes == 4 * 600 + 1000
+    assert choice_cost(layer, "replicate", CostContext(profile, CLUSTER, 2.0)).transient_bytes == 4 * 600 + 2000
     assert math.isclose(rep.comm_s, 1e-4 + 2 * 4 * p * (1 / 2) / 1e9)
     assert math.isclose(rep.comm_s, all_reduce_s(4 * p, 2, CLUSTER))
     # zero2: state / W, gathered params held forward->backward; all-gather + reduce-scatter
@@ -156,6 +161,35 @@ def test_the_optimizer_probe_allocates_less_than_the_parameters() -> None:
 
 
 # -- units and profiling -----------------------------------------------------------------------
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.drop, self.down = nn.Linear(64, 512), nn.Dropout(0.0), nn.Linear(512, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(torch.relu(self.up(x))))
+
+
+class _Blocks(MLP):
+    def __init__(self) -> None:
+        super().__init__(width=64, depth=1)
+        self.net = nn.Sequential(_Block(), _Block(), nn.Linear(64, 1))
+
+
+def test_the_profile_measures_a_layers_backward_beside_its_weight_gradient() -> None:
+    """The most one layer with parameters adds in its backward: ``down``'s weight gradient (128 KiB)
+    beside the gradient of its 32 x 512 input (64 KiB), not what the dropout after it spans in the
+    tracker (it owns no parameters and passes its input through: 250 KiB here)."""
+    torch.manual_seed(0)
+    model = _Blocks()
+    profile = profile_lightning_module(model, (torch.randn(32, 64), torch.randn(32, 1)),
+                                       optimizer=torch.optim.Adam(model.parameters()), repeats=1,
+                                       unit_module_types=[_Block])
+    block = next(u for u in profile.units if u.name == "net.0")
+    weight, inputs = 512 * 64 * 4, 32 * 512 * 4
+    assert weight + inputs <= block.leaf_backward_rise_bytes <= 1.05 * (weight + inputs)
+    assert block.backward_rise_bytes > block.leaf_backward_rise_bytes
+
 def test_tied_modules_form_one_unit_and_small_modules_stay_with_the_root() -> None:
     names = [s.name for s in select_units(TiedLM())]
     assert "embed+head" in names
