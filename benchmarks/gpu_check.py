@@ -1,11 +1,18 @@
-"""The CUDA path, in one short script for a lent GPU (also runs on CPU for a dry check here).
+"""The CUDA path, in one short script for a lent GPU (also runs on CPU as a dry check here).
 
-1. Predicted peak bytes per rank against the CUDA allocator's peak (``max_memory_allocated``)
-   for several plans of a GPT recipe: all-replicate, all-zero2, all-zero3 and an ILP plan under a
-   tight budget, at world sizes 2 and 8. One GPU stands for every rank through PyTorch's ``fake``
-   process group: collectives do nothing, but every FSDP2 buffer is really allocated.
-2. A real ``Trainer(strategy="osdp", accelerator="cuda", devices=1)`` run against the same run
-   with Lightning's default single-device strategy: per-step losses and peak memory.
+1. **Memory.** Predicted peak bytes per rank against the measured peak of a real training step
+   (the CUDA allocator's ``max_memory_allocated``; on CPU, MemTracker) for plans of a GPT recipe at
+   world sizes 2 and 8: all-replicate, all-zero2, all-zero3, all-zero3 with checkpointing, and the
+   ILP's plans under a budget between replicate and zero3 and one between zero3 and checkpointed
+   zero3. Both profiles are checked: the whole model measured on the device, and the profile from
+   shapes (the model on the meta device, one unit at a time on the device). One GPU stands for
+   every rank through PyTorch's ``fake`` process group: collectives do nothing, but every FSDP2
+   buffer is really allocated.
+2. **Training.** ``Trainer(strategy="osdp", accelerator="cuda", devices=1)`` against the same run
+   under Lightning's ``strategy="ddp"`` (the same sampler, so the same batches): per-step losses,
+   peaks (predicted and measured) and tokens per second; osdp also under a budget halfway between
+   all-replicate's and all-checkpointed's predicted peaks (only checkpointing saves memory on one
+   device) and with the model built on the meta device (Lightning's ``init_module``).
 
     python -m benchmarks.gpu_check [--device cuda] [--layers 8 --hidden 1024]
 """
@@ -13,143 +20,192 @@
 from __future__ import annotations
 
 import argparse
-import copy
+import contextlib
+import gc
 import time
+from collections.abc import Callable
 
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
-from osdp_lightning.recipes.gpt import GPT, GPTConfig, GPTLitModule
+from osdp_lightning.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTLitModule
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import osdp_lightning  # noqa: F401
 from osdp_lightning import ClusterSpec, OSDPStrategy, TrainingSummary, format_bytes, make_plan
-from osdp_lightning.apply import apply_plan, build_meshes
-from osdp_lightning.choices import BASE_CHOICES
-from osdp_lightning.measure import profile_lightning_module
+from osdp_lightning.apply import apply_plan, build_meshes, step_groups_apart
+from osdp_lightning.pipeline import ProfileOptions, profile_model
 from osdp_lightning.plan import InfeasibleBudgetError, Plan
+from osdp_lightning.profile import ModelProfile, logging_disabled
 from osdp_lightning.strategy import RootWrapper
 
-
-def build_module(layers: int, hidden: int, seq: int) -> GPTLitModule:
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=384, block_size=seq, n_layer=layers, n_head=max(hidden // 64, 1),
-                       n_embd=hidden, dropout=0.0)
-    return GPTLitModule(GPT(config), lr=1e-4)
+UNIFORM = ("replicate", "zero2", "zero3", "zero3+ckpt")
 
 
-def batch_for(seq: int, batch: int, device: torch.device) -> dict:
-    """One real batch of the GPT recipe's default data."""
-    from lightning.fabric.utilities.apply_func import move_data_to_device
-    from osdp_lightning.recipes.gpt import GPTDataModule
+def module_factory(args: argparse.Namespace) -> Callable[[], GPTLitModule]:
+    config = GPTConfig(vocab_size=384, block_size=args.seq, n_layer=args.layers, n_head=max(args.hidden // 64, 1),
+                       n_embd=args.hidden, dropout=0.0)
+    return lambda: GPTLitModule(GPT(config), lr=1e-4)
 
-    data = GPTDataModule(seq_len=seq, batch_size=batch)
+
+def real_batch(args: argparse.Namespace, device: torch.device) -> dict:
+    """One batch of the GPT recipe's default data."""
+    data = GPTDataModule(seq_len=args.seq, batch_size=args.batch)
     data.setup("fit")
     return move_data_to_device(next(iter(data.train_dataloader())), device)
 
 
-def measured_peak(module: GPTLitModule, plan: Plan, batch: dict, device: torch.device) -> int:
-    """Apply ``plan`` under the fake process group, train 3 steps, return the steady-state peak."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    module.log = lambda *a, **k: None  # no Trainer here
-    root = RootWrapper(module)
-    apply_plan(module, root, plan, build_meshes(device.type, plan.world_size))
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
-
-    def step() -> None:
-        loss = _ForwardRedirection()(root, module, "training_step", batch, 0)  # as Lightning calls it
-        loss = loss["loss"] if isinstance(loss, dict) else loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()  # optimizer state exists from here on: the steady state starts at step 2
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() - _model_and_optimizer_bytes(module, optimizer)
-        step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    tracker = FSDPMemTracker(root, optimizer)
-    with tracker:
-        step()
-    return int(max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
+def profiles(args: argparse.Namespace, device: torch.device) -> dict[str, ModelProfile]:
+    """The whole model's profile on ``device`` and the profile from shapes (meta module)."""
+    factory, batch = module_factory(args), real_batch(args, device)
+    options = ProfileOptions(check_checkpointing=True)
+    torch.manual_seed(0)
+    module = factory().to(device)
+    found = {"whole": profile_model(module, batch, device, options, whole=True,
+                                    optimizer=module.configure_optimizers()["optimizer"])}
+    del module
+    with torch.device("meta"):
+        meta = factory()
+    found["from shapes"] = profile_model(meta, batch, device, options, whole=False)
+    _release(device)
+    return found
 
 
-def _model_and_optimizer_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of parameters and optimizer state now allocated (local shards): what is 'ours'."""
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-    tensors = [local(p) for p in module.parameters()]
-    tensors += [local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+def plans_for(profile: ModelProfile, world: int) -> dict[str, Plan]:
+    """Uniform plans, and the ILP's under budgets between them (it must pick a mixed plan there)."""
+    def cluster(budget_bytes: int) -> ClusterSpec:
+        return ClusterSpec(world, budget_bytes, 2e-5, 1e11, headroom_fraction=0.02)
 
-
-def check_predictions(args: argparse.Namespace, device: torch.device) -> list[str]:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    rows = ["| world | plan | predicted peak | measured peak | error |", "|---:|---|---:|---:|---:|"]
-    module = build_module(args.layers, args.hidden, args.seq).to(device)
-    batch = batch_for(args.seq, args.batch, device)
-    profile = profile_lightning_module(module, batch, optimizer=module.configure_optimizers()["optimizer"])
-    for world in args.worlds:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-        cluster = ClusterSpec(world, 2**50, 20e-6, 100e9)
-        plans = {str(c): make_plan(profile, cluster, uniform_choice=c) for c in BASE_CHOICES}
-        tight = (plans["replicate"].predicted_peak_bytes + plans["zero3"].predicted_peak_bytes) // 2
+    plans = {c: make_plan(profile, cluster(2**50), uniform_choice=c) for c in UNIFORM}
+    for name, (a, b) in {"ilp: replicate..zero3": ("replicate", "zero3"),
+                         "ilp: zero3..ckpt": ("zero3", "zero3+ckpt")}.items():
+        budget = (plans[a].predicted_peak_bytes + plans[b].predicted_peak_bytes) // 2
         try:
-            plans["ilp@mid"] = make_plan(profile, ClusterSpec(world, tight, 20e-6, 100e9))
+            plans[name] = make_plan(profile, cluster(budget))
         except InfeasibleBudgetError as err:
-            print(err)
-        for name, plan in plans.items():
-            fresh = copy.deepcopy(build_module(args.layers, args.hidden, args.seq)).to(device)
-            measured = measured_peak(fresh, plan, batch, device)
-            error = (plan.predicted_peak_bytes - measured) / measured
-            rows.append(f"| {world} | {name} | {format_bytes(plan.predicted_peak_bytes)} | "
-                        f"{format_bytes(measured)} | {error:+.1%} |")
-            del fresh
+            print(f"{name}: {err}")
+    return plans
+
+
+def measured_peak_bytes(args: argparse.Namespace, plan: Plan, device: torch.device) -> int:
+    """Apply ``plan`` under a fake process group of its world size, train two steps and return the
+    second step's peak (the optimizer state exists from there on), from what was allocated before."""
+    _release(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    try:
+        torch.manual_seed(0)
+        module = module_factory(args)().to(device)
+        batch = real_batch(args, device)
+        root = RootWrapper(module)
+        apply_plan(module, root, plan, build_meshes(device.type, plan.world_size))
+        optimizer = module.configure_optimizers()["optimizer"]
+        step_groups_apart([optimizer])  # as the strategy does after Lightning made the optimizers
+
+        def step() -> None:
+            out = _ForwardRedirection()(root, module, "training_step", batch, 0)  # as Lightning calls it
+            (out["loss"] if isinstance(out, dict) else out).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        with logging_disabled(module):
+            step()
             if device.type == "cuda":
-                torch.cuda.empty_cache()
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                step()
+                torch.cuda.synchronize(device)
+                return torch.cuda.max_memory_allocated(device) - base
+            tracker = MemTracker()
+            tracker.track_external(root, optimizer, *batch.values())
+            with tracker:
+                step()
+            return int(max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
+    finally:
         dist.destroy_process_group()
-    return rows
 
 
-def compare_single_device(args: argparse.Namespace) -> list[str]:
-    """osdp on one GPU against Lightning's default strategy: same losses, predicted vs measured."""
-    from osdp_lightning.recipes.gpt import GPTDataModule
-
-    results = {}
-    for name, strategy in (("auto", "auto"), ("osdp", OSDPStrategy())):
-        L.seed_everything(0)
-        module = build_module(args.layers, args.hidden, args.seq)
-        data = GPTDataModule(seq_len=args.seq, batch_size=args.batch)
-        summary = TrainingSummary()
-        losses: list[float] = []
-        recorder = _LossRecorder(losses)
-        trainer = L.Trainer(strategy=strategy, accelerator="cuda", devices=1, max_steps=args.steps,
-                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            callbacks=[summary, recorder])
-        start = time.perf_counter()
-        trainer.fit(module, data)
-        results[name] = (losses, summary.summary, time.perf_counter() - start, getattr(trainer.strategy, "_plan", None))
-    (ref, ref_sum, _, _), (got, got_sum, _, plan) = results["auto"], results["osdp"]
-    worst = max(abs(a - b) / max(abs(a), 1e-8) for a, b in zip(ref, got, strict=True))
-    return [f"single GPU, {args.steps} steps: max relative loss difference osdp vs auto = {worst:.2e}",
-            f"auto: peak {format_bytes(ref_sum['peak_bytes'])}, {ref_sum['tokens_per_s']:.0f} tokens/s",
-            f"osdp: peak {format_bytes(got_sum['peak_bytes'])} (predicted "
-            f"{format_bytes(plan.predicted_peak_bytes)}), {got_sum['tokens_per_s']:.0f} tokens/s",
-            plan.format_table()]
+def check_memory(args: argparse.Namespace, device: torch.device, found: dict[str, ModelProfile]) -> None:
+    """Print one table row per plan as it is measured."""
+    print("| profile | world | plan | choices | predicted peak | measured peak | error |\n"
+          "|---|---:|---|---|---:|---:|---:|", flush=True)
+    for kind, profile in found.items():
+        for world in args.worlds:
+            for name, plan in plans_for(profile, world).items():
+                measured = measured_peak_bytes(args, plan, device)
+                error = plan.predicted_peak_bytes / measured - 1
+                counts = ", ".join(f"{sum(u.choice == c for u in plan.units)} {c}"
+                                   for c in sorted({u.choice for u in plan.units}))
+                print(f"| {kind} | {world} | {name} | {counts} | {format_bytes(plan.predicted_peak_bytes)} | "
+                      f"{format_bytes(measured)} | {error:+.1%} |", flush=True)
 
 
 class _LossRecorder(L.Callback):
-    def __init__(self, losses: list[float]) -> None:
-        self.losses = losses
+    def __init__(self) -> None:
+        self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(float(loss))
+        self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+
+
+def train(args: argparse.Namespace, strategy: str | OSDPStrategy, meta: bool = False) -> dict:
+    """One ``Trainer.fit`` on one GPU: losses, the TrainingSummary and the plan (osdp)."""
+    # NOTE: the peak is the allocator's absolute high-water mark: an earlier run's trainer and
+    # model (reference cycles) must be gone, not only unreferenced, before this one starts.
+    gc.collect()
+    _release(torch.device(args.device))
+    L.seed_everything(0)
+    summary, recorder = TrainingSummary(), _LossRecorder()
+    trainer = L.Trainer(strategy=strategy, accelerator=args.device, devices=1, max_steps=args.steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[summary, recorder])
+    with trainer.init_module(empty_init=True) if meta else contextlib.nullcontext():
+        module = module_factory(args)()
+    start = time.perf_counter()
+    trainer.fit(module, GPTDataModule(seq_len=args.seq, batch_size=args.batch))
+    plan = getattr(trainer.strategy, "_plan", None)
+    return {"losses": recorder.losses, "summary": summary.summary, "fit_s": time.perf_counter() - start, "plan": plan}
+
+
+def tight_budget_bytes(profile: ModelProfile) -> int:
+    """Halfway between one device's all-replicate and all-checkpointed peaks: only a plan that
+    checkpoints some units fits."""
+    def peak(choice: str) -> int:
+        return make_plan(profile, ClusterSpec(1, 2**50, 2e-5, 1e11), uniform_choice=choice).predicted_peak_bytes
+    return (peak("replicate") + peak("replicate+ckpt")) // 2
+
+
+def compare_single_device(args: argparse.Namespace, profile: ModelProfile) -> None:
+    """osdp on one device against Lightning's DDP; prints one table row per run as it ends."""
+    tight = tight_budget_bytes(profile)
+    runs = {"ddp": lambda: train(args, "ddp"), "osdp": lambda: train(args, OSDPStrategy()),
+            f"osdp at {format_bytes(tight)}": lambda: train(args, OSDPStrategy(memory_budget=tight)),
+            "osdp, meta init": lambda: train(args, OSDPStrategy(), meta=True)}
+    rows = [f"one {args.device} device, {args.steps} steps, GPT {args.layers} x {args.hidden}, {args.seq} tokens, "
+            f"micro-batch {args.batch}", "",
+            "| run | max rel. loss diff vs ddp | peak | predicted peak | tokens/s | fit s | plan |",
+            "|---|---:|---:|---:|---:|---:|---|"]
+    ref: list[float] = []
+    for name, launch in runs.items():
+        run = launch()
+        ref = ref or run["losses"]
+        s, plan = run["summary"], run["plan"]
+        diff = max(abs(a - b) / max(abs(a), 1e-8) for a, b in zip(ref, run["losses"], strict=True))
+        choices = ", ".join(f"{sum(u.choice == c for u in plan.units)} {c}" for c in sorted({u.choice for u in plan.units})) \
+            if plan else "-"
+        predicted = format_bytes(plan.predicted_peak_bytes) if plan else "-"
+        rows.append(f"| {name} | {diff:.2e} | {format_bytes(s['peak_bytes'])} | {predicted} | "
+                    f"{s['tokens_per_s']:.0f} | {run['fit_s']:.1f} | {choices} |")
+        print("\n".join(rows), flush=True)
+        rows.clear()
+
+
+def _release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -161,14 +217,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--skip", choices=("memory", "training"), default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"# osdp GPU check on {name}, torch {torch.__version__}\n")
-    print("\n".join(check_predictions(args, device)))
-    if device.type == "cuda":
+    print(f"# osdp GPU check on {name}, torch {torch.__version__}, lightning {L.__version__}\n", flush=True)
+    found = profiles(args, device)
+    for kind, profile in found.items():
+        print(f"{kind} profile: {profile.param_count:,} parameters, {len(profile.units)} units, "
+              f"measured in {profile.profile_s:.1f} s", flush=True)
+    if args.skip != "memory":
+        check_memory(args, device, found)
+    if args.skip != "training":
         print()
-        print("\n".join(compare_single_device(args)))
+        compare_single_device(args, found["whole"])
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from osdp_lightning.choices import REGISTRY, apply_choice, mesh_group_sizes
 from osdp_lightning.plan import Plan
@@ -98,6 +99,25 @@ def connect_plan(root: nn.Module) -> None:
     DDP reducer). Every rank calls it, once every rank applied the rest of the plan."""
     for family in REGISTRY.families.values():
         family.connect(root)
+
+
+def step_groups_apart(optimizers: list[torch.optim.Optimizer]) -> list[str]:
+    """Turn off the multi-tensor paths (``foreach``, ``fused``) in every parameter group that holds
+    both sharded (DTensor) and replicated (plain) parameters; returns what it changed.
+
+    NOTE: a mixed plan puts both kinds in the group ``configure_optimizers`` made; the multi-tensor
+    kernels take them as one list and DTensor refuses plain tensors beside it (torch 2.11 on CUDA,
+    AdamW: "got mixed torch.Tensor and DTensor" in ``_foreach_mul_``). The groups stay as they are,
+    so learning-rate schedulers and checkpoints see the groups the user made; only the per-tensor
+    path is slower (on CPU it is the default anyway)."""
+    changed = []
+    for i, optimizer in enumerate(optimizers):
+        for j, group in enumerate(optimizer.param_groups):
+            kinds = {isinstance(p, DTensor) for p in group["params"]}
+            if len(kinds) == 2 and (group.get("foreach") is not False or group.get("fused")):
+                group.update({k: False for k in ("foreach", "fused") if k in group or k == "foreach"})
+                changed.append(f"optimizer {i} group {j} ({type(optimizer).__name__})")
+    return changed
 
 
 def mixed_precision_policy(precision: str | None) -> MixedPrecisionPolicy:

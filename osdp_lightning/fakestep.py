@@ -100,9 +100,10 @@ def build_meta_module(model: ModelSource) -> nn.Module:
 
 
 def fake_batch(batch: object, mode: FakeTensorMode) -> object:
-    """``batch`` with every tensor fake; meta tensors stand for shapes (values are never read)."""
+    """``batch`` with every tensor fake, on the CPU like the fake module (:func:`build_fake_module`):
+    meta and GPU tensors stand for shapes (values are never read)."""
     def convert(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "meta":
+        if t.device.type != "cpu":
             with mode:
                 return torch.zeros(t.shape, dtype=t.dtype)
         return mode.from_tensor(t)

@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from osdp_lightning import checkpoint as checkpoint_io
 from osdp_lightning.accumulate import check_accumulation, no_gradient_sync
-from osdp_lightning.apply import Meshes, apply_plan, build_meshes, connect_plan
+from osdp_lightning.apply import Meshes, apply_plan, build_meshes, connect_plan, step_groups_apart
 from osdp_lightning.budget import (
     default_memory_budget,
     device_memory_bytes,
@@ -271,6 +271,7 @@ class OSDPStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self._step_groups_apart()
         # NOTE: Lightning clips through the precision plugin; its clipping must handle mixed meshes.
         self.precision_plugin = with_sharded_clipping(self.precision_plugin)
         self.setup_precision_plugin()
@@ -439,8 +440,10 @@ class OSDPStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         optimizers = [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
-        return checkpoint_io.load_checkpoint(path, self.lightning_module, optimizers,
-                                             strict=self.lightning_module.strict_loading, weights_only=weights_only)
+        loaded = checkpoint_io.load_checkpoint(path, self.lightning_module, optimizers,
+                                               strict=self.lightning_module.strict_loading, weights_only=weights_only)
+        self._step_groups_apart()  # loading restores the groups' saved flags
+        return loaded
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -454,3 +457,10 @@ class OSDPStrategy(ModelParallelStrategy):
         optimizers = [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
         for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", []), strict=False):
             checkpoint_io.load_full_optimizer_state(self.lightning_module, optimizer, state)
+        self._step_groups_apart()
+
+    def _step_groups_apart(self) -> None:
+        changed = step_groups_apart([getattr(opt, "_optimizer", opt) for opt in self.optimizers])
+        if changed and self.root_device.type == "cuda":
+            rank_zero_info(f"osdp: {', '.join(changed)} mixes sharded and replicated parameters, which the "
+                           "multi-tensor (foreach / fused) step cannot take together: it steps them one by one")

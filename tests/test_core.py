@@ -3,6 +3,7 @@ without a trace, unit selection, plan round trip and mismatch errors."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import math
@@ -36,7 +37,13 @@ from osdp_lightning.fakestep import peak_new_bytes  # noqa: E402
 from osdp_lightning.measure import profile_lightning_module  # noqa: E402
 from osdp_lightning.optim_state import optimizer_state_bytes_per_param, optimizer_step_bytes  # noqa: E402
 from osdp_lightning.plan import InfeasibleBudgetError  # noqa: E402
-from osdp_lightning.profile import ModelProfile, UnitProfile  # noqa: E402
+from osdp_lightning.profile import (  # noqa: E402
+    ModelProfile,
+    UnitProfile,
+    _measure_step,
+    _rescaled_to_free_steps,
+    loss_runner,
+)
 from osdp_lightning.units import select_units  # noqa: E402
 
 CLUSTER = ClusterSpec(world_size=2, memory_budget_bytes=2**40, collective_latency_s=1e-4,
@@ -189,6 +196,32 @@ def test_the_profile_measures_a_layers_backward_beside_its_weight_gradient() -> 
     weight, inputs = 512 * 64 * 4, 32 * 512 * 4
     assert weight + inputs <= block.leaf_backward_rise_bytes <= 1.05 * (weight + inputs)
     assert block.backward_rise_bytes > block.leaf_backward_rise_bytes
+
+def test_unit_times_are_scaled_to_the_step_timed_without_a_clock_per_unit() -> None:
+    """On CUDA the profile's clock synchronizes at every unit boundary, which the step in training
+    does not: unit times are scaled so that they add up to a step timed with no hooks. A sample
+    1000x slower than the step comes back scaled by one factor for every unit and phase; one
+    faster than the step is left as it is (only what the clock added is taken out)."""
+    torch.manual_seed(0)
+    model = _Blocks()
+    run_loss = loss_runner(model, (torch.randn(32, 64), torch.randn(32, 1)), contextlib.nullcontext)
+    cpu = torch.device("cpu")
+    sample = _measure_step(model, select_units(model, [_Block]), run_loss, cpu)
+    model.zero_grad(set_to_none=True)
+    slow = dataclasses.replace(sample, forward_s={k: 1000 * v for k, v in sample.forward_s.items()},
+                               backward_s={k: 1000 * v for k, v in sample.backward_s.items()},
+                               step_s=1000 * sample.step_s)
+    (scaled,) = _rescaled_to_free_steps([slow], model, run_loss, cpu, repeats=3)
+    ratio = scaled.step_s / slow.step_s
+    assert ratio < 0.1
+    for phase in ("forward_s", "backward_s"):
+        before, after = getattr(slow, phase), getattr(scaled, phase)
+        assert after.keys() == before.keys() and len(after) >= 3
+        assert all(after[k] == pytest.approx(ratio * before[k]) for k in before)
+    fast = dataclasses.replace(sample, step_s=sample.step_s / 1000)
+    assert _rescaled_to_free_steps([fast], model, run_loss, cpu, repeats=1) == [fast]
+    assert all(p.grad is None for p in model.parameters())
+
 
 def test_tied_modules_form_one_unit_and_small_modules_stay_with_the_root() -> None:
     names = [s.name for s in select_units(TiedLM())]

@@ -13,10 +13,12 @@ VOCAB, SEQ = 64, 16
 
 
 class LossRecorder(L.LightningModule):
-    """Shared training logic: records the per-step loss, plain Adam."""
+    """Shared training logic: records the per-step loss, plain Adam (``optimizer_foreach``: Adam's
+    ``foreach`` flag; ``None`` is torch's default, the per-tensor path on CPU)."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.optimizer_foreach: bool | None = None
         self.losses: list[float] = []
         self.batch_size = 8
         self.step_calls = {"real": 0, "profiling": 0}
@@ -33,7 +35,7 @@ class LossRecorder(L.LightningModule):
         self.losses.append(float(outputs["loss"]))
 
     def configure_optimizers(self):  # noqa: ANN201
-        return torch.optim.Adam(self.parameters(), lr=1e-3)
+        return torch.optim.Adam(self.parameters(), lr=1e-3, foreach=self.optimizer_foreach)
 
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(1234)

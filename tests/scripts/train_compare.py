@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--clip-algorithm", default=None, help="norm | value")
     parser.add_argument("--accumulate", default="1", help="Trainer(accumulate_grad_batches=...)")
+    parser.add_argument("--foreach", action="store_true",
+                        help="Adam(foreach=True): the multi-tensor step, a GPU's default")
     parser.add_argument("--keep-process-group", action="store_true",
                         help="end without destroy_process_group(), as many user scripts do")
     parser.add_argument("--out", required=True)
@@ -52,6 +54,7 @@ def main() -> None:
 
     L.seed_everything(0, workers=True)
     model = MODELS[args.model]()
+    model.optimizer_foreach = True if args.foreach else None
     if args.strategy == "osdp":
         factors = tuple(int(k) for k in args.split_factors.split(",") if k)
         micro = args.micro_batch if args.micro_batch in (None, "auto") else int(args.micro_batch)
