@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from ckpt_launch import run_ranks_in_pool
+from conftest import child_env
 
 from benchmarks import compare, compare_report, setup_overhead
 from benchmarks.compare_worker import _SMALLEST_RE
@@ -174,3 +177,23 @@ def test_every_method_has_a_colour_in_the_plot() -> None:
     from benchmarks import compare, compare_plot
 
     assert set(compare.BASELINES) | {"osdp"} <= set(compare_plot.COLORS)
+
+
+def test_gpu_check_runs_on_cpu() -> None:
+    """The GPU check's dry run here (a GPU is lent rarely, and its minutes must not go on a script
+    that no longer runs): every plan of both profiles measured at 2 fake ranks, and one-device
+    Trainer runs where osdp, also checkpointing, has Lightning ddp's losses."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--layers", "2",
+                           "--hidden", "128", "--seq", "64", "--batch", "4", "--steps", "3", "--worlds", "2"],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in proc.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith(("| profile", "| run"))]
+    memory = {(r[0], r[2]) for r in rows if r[0] in ("whole", "from shapes")}
+    plans = ("replicate", "zero2", "zero3", "zero3+ckpt", "ilp: replicate..zero3", "ilp: zero3..ckpt")
+    assert memory == {(kind, plan) for kind in ("whole", "from shapes") for plan in plans}
+    training = {r[0]: r for r in rows if len(r) == 7 and r[0] not in ("whole", "from shapes")}
+    assert list(training)[0] == "ddp" and len(training) == 4, training
+    tight = next(name for name in training if name.startswith("osdp at "))
+    assert float(training["osdp"][1]) <= 1e-5 and float(training[tight][1]) <= 1e-5
+    assert "+ckpt" in training[tight][6] and "meta init" in list(training)[3]
