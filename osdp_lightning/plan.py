@@ -173,6 +173,10 @@ class Plan:
             raise PlanMismatchError("the plan does not match this run:\n  " + "\n  ".join(problems[:12]))
 
     # -- printing ----------------------------------------------------------------------------
+    def choice_counts(self) -> dict[str, int]:
+        """How many units take each choice, by choice name."""
+        return {c: sum(1 for u in self.units if u.choice == c) for c in sorted({u.choice for u in self.units})}
+
     def format_table(self) -> str:
         width = max([len(u.name or "<root>") for u in self.units] + [4])
         lines = [f"{'unit':<{width}}  {'params':>12}  {'choice':<27}  {'bytes/rank':>12}  {'comm s':>9}"]
@@ -180,10 +184,9 @@ class Plan:
         for u in self.units:
             lines.append(f"{u.name or '<root>':<{width}}  {u.param_count:>12,}  {u.choice:<27}  "
                          f"{format_bytes(u.predicted_bytes):>12}  {u.predicted_comm_s:>9.4f}")
-        counts = {c: sum(1 for u in self.units if u.choice == c) for c in sorted({u.choice for u in self.units})}
         lines += [
             "-" * len(lines[0]),
-            f"choices: {', '.join(f'{c} x{n}' for c, n in counts.items())}",
+            f"choices: {', '.join(f'{c} x{n}' for c, n in self.choice_counts().items())}",
             f"predicted peak per rank: {format_bytes(self.predicted_peak_bytes)} of budget "
             f"{format_bytes(self.memory_budget_bytes)} "
             f"({100 * self.predicted_peak_bytes / self.memory_budget_bytes:.1f}%)"

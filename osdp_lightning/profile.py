@@ -122,12 +122,17 @@ class _StepSample:
     root_tail_bytes: int = 0
 
 
+def _synchronized_now(device: torch.device) -> float:
+    """The clock once ``device`` has finished what was queued on it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _measure_step(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[], torch.Tensor],
                   device: torch.device) -> _StepSample:
     def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
+        return _synchronized_now(device)
 
     rec = StepRecorder(root, specs, clock=now)
     with rec.installed():
@@ -196,17 +201,11 @@ def _rescaled_to_free_steps(samples: list[_StepSample], root: nn.Module, run_los
     kernels while the previous unit runs: GPT 12 x 1024 on an H200 profiled 0.072 s of forward and
     backward against 0.047 s in training. A step without hooks, synchronized only at its ends, sets
     the total; the split between units stays the measured one."""
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     free = []
     for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
+        start = _synchronized_now(device)
         run_loss().backward()
-        sync()
-        free.append(time.perf_counter() - start)
+        free.append(_synchronized_now(device) - start)
         root.zero_grad(set_to_none=True)
     observed = statistics.median(s.step_s for s in samples)
     ratio = min(statistics.median(free) / observed, 1.0) if observed > 0 else 1.0
