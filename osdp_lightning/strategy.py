@@ -40,7 +40,12 @@ from osdp_lightning.budget import (
     parse_memory_budget,
     plan_headroom,
 )
-from osdp_lightning.calibrate import CollectiveTimings, calibrate_step_terms, measure_collectives
+from osdp_lightning.calibrate import (
+    CollectiveTimings,
+    calibrate_step_terms,
+    measure_collectives,
+    measure_one_process_terms,
+)
 from osdp_lightning.choices import ChoiceOptions, choice_space
 from osdp_lightning.choices.checkpointing import refusal_message
 from osdp_lightning.clip import with_sharded_clipping
@@ -331,8 +336,11 @@ class OSDPStrategy(ModelParallelStrategy):
                 self.root_device, configured_optimizer(module), self._meshes, ranks_per_node=self.num_processes,
                 split=True,  # NOTE: one cache entry per machine, whatever this run may choose
                 loop_step_s=default_loop_step_s(self.root_device.type), use_cache=self.calibration_cache)
-            rank_zero_info(f"osdp: step terms {self._step_terms.source}"
-                           + (f" ({self._step_terms.calibrate_s:.2f} s)" if self._step_terms.calibrate_s else ""))
+        else:
+            self._step_terms = measure_one_process_terms(self.root_device, configured_optimizer(module),
+                                                         loop_step_s=default_loop_step_s(self.root_device.type))
+        rank_zero_info(f"osdp: step terms {self._step_terms.source}"
+                       + (f" ({self._step_terms.calibrate_s:.2f} s)" if self._step_terms.calibrate_s else ""))
         outcome: list[Any] = [None]
         if self.global_rank == 0:
             try:

@@ -9,10 +9,13 @@ import re
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from ckpt_launch import run_ranks, script
+from toy_models import MLP
 
+from osdp_lightning import OSDPStrategy
 from osdp_lightning.calibrate import (
     BUSY_CPU_SHARE,
     CACHE_DRAWS,
@@ -22,6 +25,7 @@ from osdp_lightning.calibrate import (
     busy_reason,
     cache_draws,
     cache_file,
+    measure_one_process_terms,
     median_terms,
     read_cache,
     write_cache,
@@ -353,3 +357,28 @@ def test_the_fit_leaves_what_the_model_lacks_given_the_stacks_compute() -> None:
     for kind in ("replicate", "zero2", "zero3"):
         assert overhead[kind].constant_s == pytest.approx(machinery.constant_s)
         assert overhead[kind].per_byte_s == pytest.approx(machinery.per_byte_s)
+
+
+def test_one_process_prices_its_optimizer_step_and_its_loop() -> None:
+    """One process calibrates no collectives and no sharding machinery, but it still times the
+    optimizer step on plain tensors and adds the loop: a one-device plan's predicted step holds both
+    (left at 0 they were the whole of a one-GPU run's step-time miss)."""
+    cpu = torch.device("cpu")
+    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    terms = measure_one_process_terms(cpu, adamw, loop_step_s=5e-3)
+    assert terms.is_valid() and terms.loop_step_s == 5e-3 and "one process" in terms.source
+    assert terms.optimizer_s(PLAIN, 2, 4 * 2**20) > 0 and terms.optimizer[PLAIN].per_byte_s > 0
+    assert all(terms.optimizer[k] == terms.optimizer[PLAIN] for k in GROUP_TERMS)
+    assert all(a == Affine(0.0, 0.0) for a in (*terms.collectives.values(), *terms.overhead.values()))
+    without = measure_one_process_terms(cpu, None, loop_step_s=0.0)
+    assert without.is_valid() and all(a == Affine(0.0, 0.0) for a in without.optimizer.values())
+
+    trainer = L.Trainer(strategy=OSDPStrategy(), accelerator="cpu", devices=1, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(MLP(width=64))
+    plan = trainer.strategy.plan
+    assert "one process" in plan.step_terms_source
+    assert plan.predicted_optimizer_s > 0 and plan.predicted_loop_s == 5e-3
+    assert plan.predicted_step_s == pytest.approx(plan.predicted_compute_s + plan.predicted_optimizer_s
+                                                  + plan.predicted_overhead_s + plan.predicted_exposed_comm_s
+                                                  + plan.predicted_loop_s)

@@ -184,9 +184,10 @@ def build_stack(width: int, device: torch.device) -> tuple[_Stack, _StackRoot]:
         return stack, _StackRoot(stack, torch.randn(STACK_ROWS, width, device=device))
 
 
-def build_bench(spec: BenchSpec, width: int, device: torch.device, meshes: Meshes,
+def build_bench(spec: BenchSpec, width: int, device: torch.device, meshes: Meshes | None,
                 optimizer: torch.optim.Optimizer | None) -> Bench:
-    """One stack as ``spec`` says: plain or a family's reference (no FSDP2), or its bench choice for every unit."""
+    """One stack as ``spec`` says: plain or a family's reference (no FSDP2), or its bench choice for
+    every unit (which needs ``meshes``)."""
     stack, root = build_stack(width, device)
     calibration = spec.calibration
     if calibration is not None and spec.reference:
@@ -195,6 +196,8 @@ def build_bench(spec: BenchSpec, width: int, device: torch.device, meshes: Meshe
             for name in stack_unit_names(calibration):
                 calibration.reference(stack, name)
     elif calibration is not None:
+        if meshes is None:
+            raise ValueError(f"the {spec.name} bench shards its stack: it needs the process group's meshes")
         apply_plan(stack, root, _stack_plan(width, calibration, meshes.shard.size()), meshes)
     clone = clone_optimizer(optimizer, list(root.parameters())) if optimizer is not None else None
     return Bench(root, clone, [], [])
@@ -241,7 +244,8 @@ def rotated(items: list[Any], round_index: int) -> list[Any]:
 def time_benches(benches: dict[tuple[str, int], Bench], device: torch.device, repeats: int,
                   budget_s: float) -> None:
     """Warm every bench up once, then step each in turn: ``repeats`` rounds, and more while the
-    rounds so far took less than ``budget_s`` (rank 0 decides for all; the order rotated each round)."""
+    rounds so far took less than ``budget_s`` (rank 0 decides for all; the order rotated each round).
+    Without a process group only plain benches can run: one process times them alone."""
     names = list(benches)
     for name in names:
         _bench_step(benches[name], device)
@@ -255,7 +259,8 @@ def time_benches(benches: dict[tuple[str, int], Bench], device: torch.device, re
         if index + 1 >= repeats:
             elapsed = time.perf_counter() - start
             more.fill_(float(elapsed * (index + 2) / (index + 1) <= budget_s))  # room for one more round
-            dist.broadcast(more, src=0)
+            if dist.is_initialized():
+                dist.broadcast(more, src=0)
             if not more.item():
                 break
 

@@ -74,6 +74,13 @@ def _stack_model_s(collectives: dict[str, Affine], calibration: FamilyCalibratio
     return step_seconds(table, [choice] * len(names) + [root_choice])
 
 
+def plain_optimizer_term(optimizer_s: dict[tuple[str, int], float]) -> Affine:
+    """The optimizer step on plain tensors, per tensor and per byte, from the plain stacks' median
+    ``optimizer_s`` (keyed like the benches)."""
+    plain = stack_timings(None, {}, {w: optimizer_s[LOCAL, w] / STACK_DEPTH for w in STACK_WIDTHS})
+    return Affine.fit(plain.points(plain.optimizer_s), plain.unit_tensors)
+
+
 def fit_terms(collective_s: dict[str, float], benches: dict[tuple[str, int], Bench], world: int,
               optional: bool, overlap_efficiency: float = 0.0
               ) -> tuple[dict[str, Affine], dict[str, Affine], dict[str, Affine]]:
@@ -89,9 +96,8 @@ def fit_terms(collective_s: dict[str, float], benches: dict[tuple[str, int], Ben
     step = {k: statistics.median(b.step_s) for k, b in benches.items()}
     forward = {k: statistics.median(b.forward_s) if b.forward_s else 0.0 for k, b in benches.items()}
     opt = {k: statistics.median(b.optimizer_s) if b.optimizer_s else 0.0 for k, b in benches.items()}
-    plain = stack_timings(None, {}, {w: opt[LOCAL, w] / STACK_DEPTH for w in STACK_WIDTHS})
     overhead: dict[str, Affine] = {}
-    optimizer: dict[str, Affine] = {PLAIN: Affine.fit(plain.points(plain.optimizer_s), plain.unit_tensors)}
+    optimizer: dict[str, Affine] = {PLAIN: plain_optimizer_term(opt)}
     benched = calibrated_families(optional)
     for family in calibrated_families(optional=True):
         calibration, timings = family.calibration, None
