@@ -22,13 +22,6 @@ from osdp_lightning.guards import preserved_state
 from osdp_lightning.recorder import StepRecorder
 from osdp_lightning.units import ROOT, UnitSpec, owned_params
 
-PROFILE_REPEATS_S = 1.5
-"""Seconds the timed profile steps may take: at least ``repeats`` steps, more while they fit (up to
-:data:`MAX_PROFILE_REPEATS`). On this project's 2-core VM the median of 3 steps of a GPT 5 x 320
-moved 101-121 ms between profiles of one process, the median of 9 112-115 ms; plans are solved on
-one profile, so its noise decides between plans that differ by less."""
-MAX_PROFILE_REPEATS = 15
-
 
 @dataclass(frozen=True)
 class UnitProfile:
@@ -164,9 +157,8 @@ def _measure_step(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
 
 def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[], torch.Tensor],
                   device: torch.device, repeats: int = 3, activation_peak: bool = True,
-                  repeats_s: float = PROFILE_REPEATS_S) -> tuple[list[UnitProfile], int, float]:
-    """Profile ``run_loss`` (forward returning a loss) plus backward ``repeats`` times, and more
-    while the timed steps so far took less than ``repeats_s`` (:func:`_more_repeats`).
+                  ) -> tuple[list[UnitProfile], int, float]:
+    """Profile ``run_loss`` (forward returning a loss) plus backward ``repeats`` times.
 
     Returns the unit profiles in execution order (root last), the activation bytes (saved for
     backward, or the measured peak of activations and temporaries if larger) and the median step
@@ -181,12 +173,12 @@ def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
         # NOTE: a module whose forward is never called (nn.MultiheadAttention reads out_proj.weight
         # directly) cannot be its own FSDP unit: its hooks would never gather the weight.
         nested = [s for s in nested if s.name in warmup.order]
-        samples, start = [], time.perf_counter()
-        while _more_repeats(len(samples), time.perf_counter() - start, repeats, repeats_s):
+        samples = []
+        for _ in range(repeats):
             samples.append(_measure_step(root, nested, run_loss, device))
             root.zero_grad(set_to_none=True)
         if device.type == "cuda":
-            samples = _rescaled_to_free_steps(samples, root, run_loss, device, len(samples))
+            samples = _rescaled_to_free_steps(samples, root, run_loss, device, repeats)
         peak_bytes, rises = measure_activation_peak(root, run_loss, device) if activation_peak else (0, {})
         root.zero_grad(set_to_none=True)
     first = samples[0]
@@ -199,14 +191,6 @@ def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
     units.append(_unit_profile(ROOT, (ROOT,), owned[ROOT], root, samples, {}))
     activation_bytes = max(sum(first.saved_bytes.values()), peak_bytes)
     return units, activation_bytes, statistics.median(s.step_s for s in samples)
-
-
-def _more_repeats(done: int, elapsed_s: float, repeats: int, repeats_s: float) -> bool:
-    """Whether to time another step after ``done`` that took ``elapsed_s``: the first ``repeats``
-    always, then while one more fits ``repeats_s`` (up to :data:`MAX_PROFILE_REPEATS`)."""
-    if done < max(repeats, 1):
-        return True
-    return done < MAX_PROFILE_REPEATS and elapsed_s * (done + 1) / done <= repeats_s
 
 
 def _rescaled_to_free_steps(samples: list[_StepSample], root: nn.Module, run_loss: Callable[[], torch.Tensor],

@@ -10,8 +10,6 @@ import math
 import random
 import re
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -40,13 +38,11 @@ from osdp_lightning.measure import profile_lightning_module  # noqa: E402
 from osdp_lightning.optim_state import optimizer_state_bytes_per_param, optimizer_step_bytes  # noqa: E402
 from osdp_lightning.plan import InfeasibleBudgetError  # noqa: E402
 from osdp_lightning.profile import (  # noqa: E402
-    MAX_PROFILE_REPEATS,
     ModelProfile,
     UnitProfile,
     _measure_step,
     _rescaled_to_free_steps,
     loss_runner,
-    measure_units,
 )
 from osdp_lightning.units import select_units  # noqa: E402
 
@@ -225,28 +221,6 @@ def test_unit_times_are_scaled_to_the_step_timed_without_a_clock_per_unit() -> N
     fast = dataclasses.replace(sample, step_s=sample.step_s / 1000)
     assert _rescaled_to_free_steps([fast], model, run_loss, cpu, repeats=1) == [fast]
     assert all(p.grad is None for p in model.parameters())
-
-
-def test_the_profile_times_more_steps_while_they_fit_its_seconds() -> None:
-    """At least ``repeats`` steps; a fast step is timed up to MAX_PROFILE_REPEATS times within
-    ``repeats_s``, a slow one only ``repeats`` times (one warm-up call before them)."""
-    torch.manual_seed(0)
-    model = _Blocks()
-    run_loss = loss_runner(model, (torch.randn(32, 64), torch.randn(32, 1)), contextlib.nullcontext)
-    calls = []
-
-    def counted(delay_s: float) -> Callable[[], torch.Tensor]:
-        def run() -> torch.Tensor:
-            calls.append(delay_s)
-            time.sleep(delay_s)
-            return run_loss()
-        return run
-
-    cpu, specs = torch.device("cpu"), select_units(model, [_Block])
-    for delay_s, repeats_s, timed in ((0.0, 1.5, MAX_PROFILE_REPEATS), (0.0, 0.0, 3), (0.15, 0.5, 3)):
-        calls.clear()
-        measure_units(model, specs, counted(delay_s), cpu, repeats=3, activation_peak=False, repeats_s=repeats_s)
-        assert len(calls) == 1 + timed, (delay_s, repeats_s)
 
 
 def test_tied_modules_form_one_unit_and_small_modules_stay_with_the_root() -> None:
