@@ -57,9 +57,10 @@ def _same_losses(reference: list[dict], candidate: list[dict]) -> None:
 @pytest.mark.multiprocess
 def test_mixed_plans_on_the_reducer_match_lightning_ddp(train) -> None:
     """replicate units and root on DDP's reducer + zero3 + a split with a replicated slice; and a
-    tied embedding/head replicated beside zero3 blocks: the losses of Lightning's DDP."""
+    tied embedding/head replicated beside zero3 blocks: the losses of Lightning's DDP. The first with
+    Adam's multi-tensor step (a GPU's default), which cannot take DTensors and plain tensors in one list."""
     ddp = train("ddp", "--model", "mlp", "--strategy", "ddp")
-    mixed = train("mixed", "--model", "mlp", "--choices",
+    mixed = train("mixed", "--model", "mlp", "--foreach", "--choices",
                   "net.0=replicate;net.2=split(k=2, sharded=1);net.4=zero3;net.6=replicate;<root>=replicate")
     _same_losses(ddp, mixed)
     # net.0 and net.6 (weight + bias), net.2's replicated slice and bias, the root's net.8 (weight + bias)
