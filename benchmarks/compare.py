@@ -177,7 +177,7 @@ def warm_calibrations(settings: dict[str, int], args: argparse.Namespace, work: 
     (docs/design.md section 7): one such draw sent a whole run's plans to leaf units. With
     ``CACHE_DRAWS - 1`` of them the first measured run makes the last draw and every later one,
     osdp's planning launches included, is priced with the median."""
-    if args.devices < 2:  # one process calibrates nothing
+    if args.devices < 2:  # one process keeps no cache: it times only its optimizer step, at setup
         return []
     short = {**settings, "steps": WARM_STEPS}
     done = []
