@@ -136,8 +136,7 @@ def check_memory(args: argparse.Namespace, device: torch.device, found: dict[str
             for name, plan in plans_for(profile, world).items():
                 measured = measured_peak_bytes(args, plan, device)
                 error = plan.predicted_peak_bytes / measured - 1
-                counts = ", ".join(f"{n} {c}" for c, n in plan.choice_counts().items())
-                print(f"| {kind} | {world} | {name} | {counts} | {format_bytes(plan.predicted_peak_bytes)} | "
+                print(f"| {kind} | {world} | {name} | {plan.choices_text()} | {format_bytes(plan.predicted_peak_bytes)} | "
                       f"{format_bytes(measured)} | {error:+.1%} |", flush=True)
 
 
@@ -189,7 +188,7 @@ def compare_single_device(args: argparse.Namespace, profile: ModelProfile) -> No
         ref = ref or run["losses"]
         s, plan = run["summary"], run["plan"]
         diff = max(abs(a - b) / max(abs(a), 1e-8) for a, b in zip(ref, run["losses"], strict=True))
-        choices = ", ".join(f"{n} {c}" for c, n in plan.choice_counts().items()) if plan else "-"
+        choices = plan.choices_text() if plan else "-"
         predicted = format_bytes(plan.predicted_peak_bytes) if plan else "-"
         rows.append(f"| {name} | {diff:.2e} | {format_bytes(s['peak_bytes'])} | {predicted} | "
                     f"{s['tokens_per_s']:.0f} | {run['fit_s']:.1f} | {choices} |")

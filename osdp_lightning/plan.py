@@ -177,6 +177,10 @@ class Plan:
         """How many units take each choice, by choice name."""
         return {c: sum(1 for u in self.units if u.choice == c) for c in sorted({u.choice for u in self.units})}
 
+    def choices_text(self) -> str:
+        """The counts of :meth:`choice_counts` on one line: ``replicate x2, zero3 x1``."""
+        return ", ".join(f"{c} x{n}" for c, n in self.choice_counts().items())
+
     def format_table(self) -> str:
         width = max([len(u.name or "<root>") for u in self.units] + [4])
         lines = [f"{'unit':<{width}}  {'params':>12}  {'choice':<27}  {'bytes/rank':>12}  {'comm s':>9}"]
@@ -186,7 +190,7 @@ class Plan:
                          f"{format_bytes(u.predicted_bytes):>12}  {u.predicted_comm_s:>9.4f}")
         lines += [
             "-" * len(lines[0]),
-            f"choices: {', '.join(f'{c} x{n}' for c, n in self.choice_counts().items())}",
+            f"choices: {self.choices_text()}",
             f"predicted peak per rank: {format_bytes(self.predicted_peak_bytes)} of budget "
             f"{format_bytes(self.memory_budget_bytes)} "
             f"({100 * self.predicted_peak_bytes / self.memory_budget_bytes:.1f}%)"

@@ -48,7 +48,7 @@ def format_comparison(plan: Plan) -> str:
 def plan_hyperparameters(plan: Plan) -> dict[str, Any]:
     """The plan as flat hyperparameters (str / int / float), keys prefixed ``osdp/``."""
     params: dict[str, Any] = {
-        "choices": ", ".join(f"{c} x{n}" for c, n in plan.choice_counts().items()), "units": len(plan.units),
+        "choices": plan.choices_text(), "units": len(plan.units),
         "world_size": plan.world_size, "micro_batch_size": plan.micro_batch_size,
         "memory_budget_bytes": plan.memory_budget_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
         "predicted_step_s": plan.predicted_step_s, "predicted_samples_per_s": plan.predicted_throughput,

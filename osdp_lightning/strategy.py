@@ -447,8 +447,7 @@ class OSDPStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        optimizers = [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
-        loaded = checkpoint_io.load_checkpoint(path, self.lightning_module, optimizers,
+        loaded = checkpoint_io.load_checkpoint(path, self.lightning_module, self._bare_optimizers(),
                                                strict=self.lightning_module.strict_loading, weights_only=weights_only)
         self._step_groups_apart()  # loading restores the groups' saved flags
         return loaded
@@ -462,13 +461,16 @@ class OSDPStrategy(ModelParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        optimizers = [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
-        for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states", []), strict=False):
+        for optimizer, state in zip(self._bare_optimizers(), checkpoint.get("optimizer_states", []), strict=False):
             checkpoint_io.load_full_optimizer_state(self.lightning_module, optimizer, state)
         self._step_groups_apart()
 
+    def _bare_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers, without Lightning's wrappers."""
+        return [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
+
     def _step_groups_apart(self) -> None:
-        changed = step_groups_apart([getattr(opt, "_optimizer", opt) for opt in self.optimizers])
+        changed = step_groups_apart(self._bare_optimizers())
         if changed and self.root_device.type == "cuda":
             rank_zero_info(f"osdp: {', '.join(changed)} mixes sharded and replicated parameters, which the "
                            "multi-tensor (foreach / fused) step cannot take together: it steps them one by one")
