@@ -12,17 +12,28 @@ beyond the run's noise, where measured steps closer than the noise count as tied
 the latter: an order that launches of one plan do not repeat cannot be predicted). The run's noise
 at a budget is the median over its candidates of the spread of each one's rounds ((slowest -
 fastest) / median of its steps).
+
+Where a shape's prediction errors come from (:func:`error_sources`): one profile and one
+calibration price every candidate of a shape, so part of the error is shared by all of them (the
+tilt; it leaves the order alone), part follows the plans' families (one calibration's per-family
+terms: it reorders plans of different families), and the rest is each plan's own; set beside the
+standard error of a candidate's measured step, that rest says how much of the misordering is the
+cost model's and how much the measurement's.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from benchmarks.compare_report import measured_text
 from benchmarks.regret_candidates import usable_bytes
+from osdp_lightning.choices import parse
 
 MIB = 2**20
 REGRET_TARGET, SPEARMAN_TARGET = 0.97, 0.9
@@ -100,6 +111,63 @@ def measured(shape: dict[str, Any]) -> list[dict[str, Any]]:
                        steps=[r["summary"]["step_s"] for r in ok])
         rows.append(row)
     return rows
+
+
+def _plan_shares(choices: list[str]) -> dict[str, float]:
+    """The share of a plan's units of each family and of each modifier (``+ckpt``)."""
+    parsed = [parse(c) for c in choices]
+    shares: dict[str, float] = {}
+    for c in parsed:
+        for key in (c.kind, *(f"+{m}" for m in c.modifiers)):
+            shares[key] = shares.get(key, 0.0) + 1 / len(parsed)
+    return shares
+
+
+def error_sources(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What a shape's prediction errors are made of, over its candidates measured twice or more
+    (``None`` below four): errors are ``log(predicted / measured step)``; ``tilt_share`` is their
+    median; ``family_tilts`` are least-squares coefficients of the errors on each plan's share of
+    units per family and modifier, against a whole plan of the reference family (replicate where
+    a candidate has it); ``residual_share`` is the standard deviation of what the tilt and
+    the family tilts leave; ``measured_share`` is the standard error of a candidate's measured step
+    (the median over candidates of the standard deviation of its rounds over their mean, over the
+    square root of their count); ``own_share`` is the residual beyond that measurement noise."""
+    timed = [r for r in rows if len(r.get("steps", ())) >= 2]
+    if len(timed) < 4:
+        return None
+    errors = [math.log(r["predicted_step_s"] / statistics.median(r["steps"])) for r in timed]
+    shares = [_plan_shares(r["choices"]) for r in timed]
+    # NOTE: families before modifiers, each most common first; the reference is replicate where any plan has it
+    kinds = sorted({k for s in shares for k in s},
+                   key=lambda k: (k.startswith("+"), -sum(s.get(k, 0.0) for s in shares), k))
+    reference = "replicate" if "replicate" in kinds else kinds[0]
+    terms = [k for k in kinds if k != reference][: len(timed) - 2]
+    x = torch.tensor([[1.0, *(s.get(k, 0.0) for k in terms)] for s in shares], dtype=torch.float64)
+    y = torch.tensor(errors, dtype=torch.float64).unsqueeze(1)
+    coef = torch.linalg.lstsq(x, y, driver="gelsd").solution.squeeze(1)
+    left = (y.squeeze(1) - x @ coef).tolist()
+    residual = math.sqrt(sum(e * e for e in left) / (len(timed) - x.shape[1]))
+    measured_noise = statistics.median(statistics.stdev(r["steps"]) / statistics.fmean(r["steps"]) / math.sqrt(len(r["steps"]))
+                                       for r in timed)
+    return {"candidates": len(timed), "tilt_share": math.expm1(statistics.median(errors)), "reference": reference,
+            "family_tilts": {k: math.expm1(float(c)) for k, c in zip(terms, coef[1:].tolist(), strict=True)},
+            "residual_share": residual, "measured_share": measured_noise,
+            "own_share": math.sqrt(max(0.0, residual**2 - measured_noise**2))}
+
+
+def error_sources_table(per_shape: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> str:
+    lines = ["| shape | candidates | tilt (all) | family tilts (against a whole plan of the reference) "
+             "| residual | measured step's standard error | residual beyond it |", "|" + "---|" * 7]
+    for shape, rows in per_shape:
+        src = error_sources(rows)
+        if src is None:
+            lines.append(f"| {shape['shape']} | too few candidates measured twice | | | | | |")
+            continue
+        tilts = ", ".join(f"{k} {v:+.1%}" for k, v in src["family_tilts"].items())
+        lines.append(f"| {shape['shape']} | {src['candidates']} | {src['tilt_share']:+.1%} "
+                     f"| {tilts} (reference {src['reference']}) | {src['residual_share']:.1%} "
+                     f"| {src['measured_share']:.1%} | {src['own_share']:.1%} |")
+    return "\n".join(lines)
 
 
 def members(rows: list[dict[str, Any]], budget: int) -> list[dict[str, Any]]:
@@ -208,7 +276,8 @@ def write_outputs(out_dir: Path, machine: dict[str, Any], shapes: list[dict[str,
     budget_rows = [budget_row(shape, rows, label, budget) for shape, rows in per_shape
                    for label, budget in shape["budgets"].items()]
     parts = [f"machine: {json.dumps(machine, default=str)}", "", regret_table(budget_rows), "", "targets:",
-             *verdicts(budget_rows), ""]
+             *verdicts(budget_rows), "", "where the prediction errors come from (log errors; see the module docstring):", "",
+             error_sources_table(per_shape), ""]
     for shape, rows in per_shape:
         parts += [candidates_table(shape, rows), ""]
     if plot:

@@ -90,6 +90,34 @@ def test_spearman_beyond_noise_ties_measured_steps_closer_than_the_noise() -> No
     assert regret_report.noise_share(rows) == pytest.approx(0.0952, abs=1e-4)  # median of 0.0952, 0, 0.1818
 
 
+def test_error_sources_split_a_shared_tilt_family_tilts_and_each_plans_own_error() -> None:
+    """Predictions 5% slow everywhere, zero2 10% fast, zero3 20% slow and checkpointing 4% slow
+    (per whole plan): the fit gives back those tilts and nothing left; rounds 3% either side of the
+    median measure a standard error of 3%."""
+    plans = [["replicate"] * 4, ["zero2"] * 4, ["zero3"] * 4, ["replicate", "zero2", "zero3", "replicate"],
+             ["zero2+ckpt", "zero2", "replicate", "replicate"], ["zero3+ckpt", "zero3+ckpt", "zero2", "replicate"],
+             ["replicate+ckpt", "replicate", "replicate", "replicate"], ["zero3", "zero3", "zero2", "zero2+ckpt"]]
+    rows = []
+    for i, choices in enumerate(plans):
+        shares = regret_report._plan_shares(choices)
+        factor = 1.05 * 0.9 ** shares.get("zero2", 0) * 1.2 ** shares.get("zero3", 0) * 1.04 ** shares.get("+ckpt", 0)
+        step = 0.1 + 0.01 * i
+        rows.append({"name": f"c{i}", "choices": choices, "predicted_step_s": step * factor,
+                     "steps": [step * 0.97, step, step * 1.03]})
+    src = regret_report.error_sources(rows)
+    assert src is not None and src["candidates"] == 8 and src["reference"] == "replicate"
+    assert src["family_tilts"] == pytest.approx({"zero2": -0.10, "zero3": 0.20, "+ckpt": 0.04}, abs=1e-9)
+    assert src["residual_share"] == pytest.approx(0.0, abs=1e-9) and src["own_share"] == 0.0
+    assert src["measured_share"] == pytest.approx(0.03 / 3**0.5)
+    # a plan's own miss stays in the residual, beyond what its rounds' spread explains
+    rows[3]["predicted_step_s"] *= 1.3
+    noisy = regret_report.error_sources(rows)
+    assert noisy["residual_share"] > 0.05
+    assert noisy["own_share"] == pytest.approx((noisy["residual_share"] ** 2 - noisy["measured_share"] ** 2) ** 0.5)
+    assert regret_report.error_sources(rows[:3]) is None
+    assert "| s | too few candidates measured twice |" in regret_report.error_sources_table([({"shape": "s"}, rows[:3])])
+
+
 def _candidate(name: str, kind: str, predicted_s: float, predicted_peak: int) -> dict:
     return {"name": name, "kind": kind, "choices": ["zero2"], "units": ["u"], "predicted_step_s": predicted_s,
             "predicted_peak_bytes": predicted_peak, "aliases": []}
