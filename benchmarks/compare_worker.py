@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> tuple[L.Trainer, dict[str, Any]]:
     strategy: OSDPStrategy = trainer.strategy  # type: ignore[assignment]
     plan = strategy.plan
     record.update(status="ok", summary=summary.summary, phases=phases.medians(), setup_s=strategy.setup_s,
-                  choices=_choice_counts(plan), plan=plan.to_dict(),
+                  choices=plan.choice_counts(), plan=plan.to_dict(),
                   profile_step_s=strategy.profile.step_s if strategy.profile else None,
                   profile=dataclasses.asdict(strategy.profile) if strategy.profile else None,
                   device=_device_name(trainer))
@@ -201,13 +201,6 @@ def _lightning_record(trainer: L.Trainer, record: dict[str, Any], summary: Train
     record.update(status="ok", summary=measured, phases=phases.medians(), setup_s={}, choices={f"Lightning strategy={record['method']}": 1},
                   plan=None, profile_step_s=None, profile=None, cluster=None, device=_device_name(trainer))
     return record
-
-
-def _choice_counts(plan: osdp_lightning.Plan) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for unit in plan.units:
-        counts[unit.choice] = counts.get(unit.choice, 0) + 1
-    return counts
 
 
 def _device_name(trainer: L.Trainer) -> str:

@@ -167,10 +167,7 @@ def format_rows(rows: list[Row]) -> list[str]:
 def choice_summary(plan: Plan | None) -> str:
     if plan is None:
         return "no plan fits"
-    counts: dict[str, int] = {}
-    for unit in plan.units:
-        counts[unit.choice] = counts.get(unit.choice, 0) + 1
-    return ", ".join(f"{c} x{n}" for c, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return plan.choices_text()
 
 
 def main() -> None:

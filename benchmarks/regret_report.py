@@ -34,6 +34,7 @@ import torch
 from benchmarks.compare_report import measured_text
 from benchmarks.regret_candidates import usable_bytes
 from osdp_lightning.choices import parse
+from osdp_lightning.plan import choices_text
 
 MIB = 2**20
 REGRET_TARGET, SPEARMAN_TARGET = 0.97, 0.9
@@ -202,15 +203,8 @@ def budget_row(shape: dict[str, Any], rows: list[dict[str, Any]], label: str, bu
                osdp_fits=osdp["peak_bytes"] <= budget, best=best["name"], best_tokens_per_s=best["tokens_per_s"],
                regret_ratio=_paired_ratio(osdp, best) if best is not osdp else 1.0,
                osdp_rank=1 + sum(1 for r in fitting if r is not osdp and r["tokens_per_s"] > osdp["tokens_per_s"]),
-               osdp_choices=_choice_text(osdp["choices"]))
+               osdp_choices=choices_text(osdp["choices"]))
     return row
-
-
-def _choice_text(choices: list[str]) -> str:
-    counts: dict[str, int] = {}
-    for c in choices:
-        counts[c] = counts.get(c, 0) + 1
-    return ", ".join(f"{c} x{n}" for c, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -250,7 +244,7 @@ def candidates_table(shape: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         fits = ", ".join(label for label, b in budgets.items() if r["peak_bytes"] <= b) or "none"
         lines.append(f"| {r['name']} | {', '.join(r['aliases'])} | {r['predicted_step_s']:.4f} | {r['step_s']:.4f} "
                      f"| {r['tokens_per_s']:.0f} | {r['predicted_peak_bytes'] / MIB:.2f} | {r['peak_bytes'] / MIB:.2f} "
-                     f"| {fits} | {_choice_text(r['choices'])} |")
+                     f"| {fits} | {choices_text(r['choices'])} |")
     return "\n".join(lines)
 
 

@@ -16,13 +16,13 @@ import argparse
 import dataclasses
 import json
 import statistics
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from osdp_lightning.choice_table import build_choice_table
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.cost import ChoiceTable
+from osdp_lightning.plan import choices_text
 from osdp_lightning.profile import ModelProfile, UnitProfile, with_units
 from osdp_lightning.solve import peak_bytes
 
@@ -91,7 +91,7 @@ def table_of(path: Path) -> str:
     for (method, fraction, choices), values in rows.items():
         measured = statistics.median(v[0] for v in values)
         then, now = values[0][1], values[0][2]
-        mix = ", ".join(f"{c} x{n}" for c, n in Counter(choices).most_common())
+        mix = choices_text(choices)
         now_text = "-" if now is None else f"{now / 2**20:.2f} ({now / measured - 1:+.1%})"
         if now is not None:
             errors.append(now / measured - 1)

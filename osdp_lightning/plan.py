@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,11 +177,11 @@ class Plan:
     # -- printing ----------------------------------------------------------------------------
     def choice_counts(self) -> dict[str, int]:
         """How many units take each choice, by choice name."""
-        return {c: sum(1 for u in self.units if u.choice == c) for c in sorted({u.choice for u in self.units})}
+        return dict(sorted(Counter(u.choice for u in self.units).items()))
 
     def choices_text(self) -> str:
-        """The counts of :meth:`choice_counts` on one line: ``replicate x2, zero3 x1``."""
-        return ", ".join(f"{c} x{n}" for c, n in self.choice_counts().items())
+        """The units' choices counted on one line (:func:`choices_text`): ``replicate x2, zero3 x1``."""
+        return choices_text(u.choice for u in self.units)
 
     def format_table(self) -> str:
         width = max([len(u.name or "<root>") for u in self.units] + [4])
@@ -215,6 +217,11 @@ class Plan:
     def plot(self, path: str | Path, title: str | None = None) -> Path:
         """Write a picture of the plan (PNG; needs matplotlib: ``pip install osdp_lightning[plot]``)."""
         return plot_plan(self, path, title)
+
+
+def choices_text(choices: Iterable[str]) -> str:
+    """How many units take each choice, on one line, most common first (ties by name)."""
+    return ", ".join(f"{c} x{n}" for c, n in sorted(Counter(choices).items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def make_plan(profile: ModelProfile, cluster: ClusterSpec, *, uniform_choice: Choice | str | None = None,

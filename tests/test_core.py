@@ -36,7 +36,7 @@ from osdp_lightning.cost import CostContext, all_reduce_s  # noqa: E402
 from osdp_lightning.fakestep import peak_new_bytes  # noqa: E402
 from osdp_lightning.measure import profile_lightning_module  # noqa: E402
 from osdp_lightning.optim_state import optimizer_state_bytes_per_param, optimizer_step_bytes  # noqa: E402
-from osdp_lightning.plan import InfeasibleBudgetError  # noqa: E402
+from osdp_lightning.plan import InfeasibleBudgetError, choices_text  # noqa: E402
 from osdp_lightning.profile import (  # noqa: E402
     ModelProfile,
     UnitProfile,
@@ -295,7 +295,13 @@ def test_plan_round_trips_through_json(tmp_path: Path) -> None:
     assert loaded.source.startswith("loaded:")
     table = plan.format_table()
     assert "net.0" in table and "predicted peak per rank" in table and "solver: Optimal" in table
+    assert f"choices: {plan.choices_text()}" in table
     loaded.check_matches(model, 2)
+
+
+def test_choice_counts_read_most_common_first() -> None:
+    assert choices_text(["zero3", "replicate", "zero2", "zero3", "replicate", "zero2+ckpt", "zero3"]) == (
+        "zero3 x3, replicate x2, zero2 x1, zero2+ckpt x1")
 
 
 def test_plan_for_another_model_or_world_size_says_what_differs(tmp_path: Path) -> None:
