@@ -126,7 +126,7 @@ class OSDPStrategy(ModelParallelStrategy):
             largest measured miss), 4% with more ranks than cores, on CUDA 4% plus the allocator's
             fragmentation measured while profiling (:func:`osdp_lightning.budget.plan_headroom`).
         calibration_cache: Reuse the step-time terms measured earlier on this machine: the median of
-            its last three calibrations (``$OSDP_LIGHTNING_CALIBRATION_DRAWS`` to change how many); the
+            its last five calibrations (``$OSDP_LIGHTNING_CALIBRATION_DRAWS`` to change how many); the
             first launches each measure and add theirs (``~/.cache/osdp_lightning``, or
             ``$OSDP_LIGHTNING_CACHE_DIR``; one file per process group and optimizer); ``False`` measures anew.
         save_distributed_checkpoint: Sharded (default) or one consolidated checkpoint file.

@@ -63,7 +63,7 @@ def test_each_key_has_a_file_and_the_draws_can_be_overridden(monkeypatch: pytest
     assert cache_file(KEY) != cache_file(sgd) and cache_file(KEY) == cache_file(dict(KEY))
     assert re.fullmatch(r"step_terms_cpu_w2_r2_[0-9a-f]{8}\.json", cache_file(KEY).name)
     monkeypatch.delenv(DRAWS_ENV, raising=False)
-    assert cache_draws() == CACHE_DRAWS == 3
+    assert cache_draws() == CACHE_DRAWS == 5
     monkeypatch.setenv(DRAWS_ENV, "1")
     assert cache_draws() == 1
     monkeypatch.setenv(DRAWS_ENV, "0")
@@ -78,7 +78,7 @@ def test_cache_is_written_and_read_back(cache: Path) -> None:
     assert back is not None and len(back) == 1
     assert back[0].to_dict()["collectives"] == some_terms().to_dict()["collectives"]
     assert back[0].overhead == some_terms().overhead and back[0].source.startswith("cache ")
-    draws = [scaled(some_terms(), f) for f in (1.0, 2.0, 3.0, 4.0)]
+    draws = [scaled(some_terms(), 1.0 + f) for f in range(CACHE_DRAWS + 2)]
     write_cache(cache, KEY, draws)  # only the latest CACHE_DRAWS are kept
     assert [d.overhead["zero3"] for d in read_cache(cache, KEY)] == [d.overhead["zero3"] for d in draws[-CACHE_DRAWS:]]
 

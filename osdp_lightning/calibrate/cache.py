@@ -28,12 +28,13 @@ CACHE_FORMAT = 4
 """4: FSDP2's terms from stacks of blocks with their compute between the collectives (3: bare Linear
 stacks, which over-priced zero3; 2: one calibration, not the last :data:`CACHE_DRAWS`; 1: collectives
 at two sizes); an older format is stale."""
-CACHE_DRAWS = 3
+CACHE_DRAWS = 5
 """Calibrations the cache keeps; a launch uses their per-term median. On this project's 2-core VM
-one block's priced FSDP2 work was more than 15% off the median of nine calibrations in 11-33% of
-single calibrations and 0-8% of medians of three; one that priced uniform zero3 27% high went into
-every later launch of its benchmark (docs/design.md section 7). So the first launches on
-a machine each measure and add theirs until there are this many."""
+one calibration prices a whole plan of zero2 or zero3 against one of replicate with a standard
+deviation of 11-15% (12 launches; GPT 4 x 384 and 5 x 320), the median of three 7-9%, the median of
+five 5-7%: within a run that tilt moves every sharded plan against the replicated ones together,
+and it is what misorders plans most (docs/design.md section 7). So the first launches on a machine
+each measure and add theirs until there are this many."""
 DRAWS_ENV = "OSDP_LIGHTNING_CALIBRATION_DRAWS"
 """Overrides :data:`CACHE_DRAWS` (a positive integer): 1 trusts the first quiet calibration of a
 machine (the test suite does: its launches price plans, they do not judge the terms)."""

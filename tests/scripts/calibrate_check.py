@@ -48,7 +48,7 @@ def run(rank: int, port: int, out: str) -> None:
             terms = calibrate.calibrate_step_terms(device, optimizer, meshes, ranks_per_node=WORLD, loop_step_s=1e-3)
             return terms.to_dict()
 
-        calibrate.CACHE_DRAWS = 2  # two calls fill the cache (3 by default)
+        calibrate.CACHE_DRAWS = 2  # two calls fill the cache (5 by default)
         calibrate.BENCH_ROUNDS_S = 0.3  # the fewest rounds: this checks caching and valid terms, not accuracy
         first = calibrated()
         after_first = cached()
