@@ -126,8 +126,8 @@ def launch(method: str, budget: int | None, settings: dict[str, int], args: argp
     out, log = work / f"{label}.json", work / f"{label}.log"
     cmd = [*worker_command(method, budget, settings, args, out), *extra]
     # NOTE: one calibration cache per benchmark (in its temporary directory, shared by its runs): its
-    # first three calibrating launches each measure, every later one is priced with the median of those
-    # three (calibrate.CACHE_DRAWS), and none comes from another session's cache.
+    # first calibrating launches each measure, every later one is priced with the median of those
+    # (calibrate.CACHE_DRAWS of them), and none comes from another session's cache.
     # Every method's ranks get the thread count Lightning's DDP launcher sets (a share of the cores):
     # ModelParallelStrategy (the hand-written FSDP2) sets none on the ranks it did not start.
     threads = os.environ.get("OMP_NUM_THREADS") or str(_suggested_max_num_threads(args.devices))
