@@ -142,7 +142,7 @@ def error_sources(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     kinds = sorted({k for s in shares for k in s},
                    key=lambda k: (k.startswith("+"), -sum(s.get(k, 0.0) for s in shares), k))
     reference = "replicate" if "replicate" in kinds else kinds[0]
-    terms = [k for k in kinds if k != reference][: len(timed) - 2]
+    terms = [k for k in kinds if k != reference][: len(timed) - 2]  # at least one degree of freedom left
     x = torch.tensor([[1.0, *(s.get(k, 0.0) for k in terms)] for s in shares], dtype=torch.float64)
     y = torch.tensor(errors, dtype=torch.float64).unsqueeze(1)
     coef = torch.linalg.lstsq(x, y, driver="gelsd").solution.squeeze(1)

@@ -93,7 +93,7 @@ def test_spearman_beyond_noise_ties_measured_steps_closer_than_the_noise() -> No
 def test_error_sources_split_a_shared_tilt_family_tilts_and_each_plans_own_error() -> None:
     """Predictions 5% slow everywhere, zero2 10% fast, zero3 20% slow and checkpointing 4% slow
     (per whole plan): the fit gives back those tilts and nothing left; rounds 3% either side of the
-    median measure a standard error of 3%."""
+    median have a standard deviation of 3%, so the standard error of their mean is 3% / sqrt(3)."""
     plans = [["replicate"] * 4, ["zero2"] * 4, ["zero3"] * 4, ["replicate", "zero2", "zero3", "replicate"],
              ["zero2+ckpt", "zero2", "replicate", "replicate"], ["zero3+ckpt", "zero3+ckpt", "zero2", "replicate"],
              ["replicate+ckpt", "replicate", "replicate", "replicate"], ["zero3", "zero3", "zero2", "zero2+ckpt"]]
