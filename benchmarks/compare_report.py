@@ -11,11 +11,10 @@ from __future__ import annotations
 import csv
 import json
 import statistics
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from osdp_lightning.plan import choices_text
+from osdp_lightning.plan import counts_text
 
 MIB = 2**20
 MEM_ERROR_TARGET, STEP_ERROR_TARGET = 0.05, 0.20
@@ -79,7 +78,7 @@ def _ok_by_round(runs: list[dict], method: str) -> dict[int, dict]:
 
 
 def _choices_text(runs: list[dict]) -> str:
-    texts = [choices_text(Counter(r["choices"]).elements()) for r in runs]
+    texts = [counts_text(r["choices"]) for r in runs]
     common = max(set(texts), key=texts.count)
     return common + (f" (plans differed across rounds: {len(set(texts))})" if len(set(texts)) > 1 else "")
 

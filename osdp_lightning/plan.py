@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,8 +220,13 @@ class Plan:
 
 
 def choices_text(choices: Iterable[str]) -> str:
-    """How many units take each choice, on one line, most common first (ties by name)."""
-    return ", ".join(f"{c} x{n}" for c, n in sorted(Counter(choices).items(), key=lambda kv: (-kv[1], kv[0])))
+    """How many units take each choice, on one line (:func:`counts_text`)."""
+    return counts_text(Counter(choices))
+
+
+def counts_text(counts: Mapping[str, int]) -> str:
+    """Choice counts on one line, most common first (ties by name): ``replicate x2, zero3 x1``."""
+    return ", ".join(f"{c} x{n}" for c, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def make_plan(profile: ModelProfile, cluster: ClusterSpec, *, uniform_choice: Choice | str | None = None,
