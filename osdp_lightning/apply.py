@@ -12,6 +12,10 @@ deadlock the first collective):
    replicate's builds one DDP reducer for every replicated parameter (``osdp_lightning/replicate.py``;
    replicate units and split's replicated slices were only marked, and every ``fully_shard`` above
    them was told to ignore them).
+
+On gloo every FSDP2 module reduce-scatters with an all-reduce in place (``osdp_lightning/collectives.py``):
+gloo's own collective leaves a buffer of the input's size for its worker thread to free, which
+made a plan's peak differ between launches.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from osdp_lightning.choices import REGISTRY, apply_choice, mesh_group_sizes
+from osdp_lightning.collectives import reduce_in_place_on_gloo
 from osdp_lightning.plan import Plan
 from osdp_lightning.profile import ROOT
 from osdp_lightning.shutdown import release_at_exit
@@ -90,6 +95,7 @@ def apply_plan(model: nn.Module, root: nn.Module, plan: Plan, meshes: Meshes,
     # What a family does once for the whole plan (replicated units and slices were only marked).
     for family in REGISTRY.families.values():
         family.finish(root, meshes, policy)
+    reduce_in_place_on_gloo(root, meshes.shard.get_group())
     if build_reducer:
         connect_plan(root)
 

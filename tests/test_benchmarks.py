@@ -1,4 +1,4 @@
-"""The comparison, setup-overhead and memory-repricing benchmarks: report logic in-process, one tiny 2-rank smoke run."""
+"""The comparison, setup-overhead, memory-repricing and peak-spread benchmarks: report logic in-process, tiny 2-rank smoke runs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from ckpt_launch import run_ranks_in_pool
 from conftest import child_env
 
-from benchmarks import compare, compare_report, setup_overhead
+from benchmarks import compare, compare_report, peak_spread, setup_overhead
 from benchmarks.compare_worker import _SMALLEST_RE
 from osdp_lightning import InfeasibleBudgetError, make_plan
 from osdp_lightning.cluster import ClusterSpec
@@ -152,6 +152,27 @@ def test_compare_smoke_two_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert measured and max(measured) <= osdp["summary"]["peak_bytes"]
     assert all(r["backward_peak"] >= r["backward_start"] for r in rows if "backward_peak" in r)
     assert "| unit | choice |" in table_of(osdp) and osdp["summary"]["module_memory_rank"] in (0, 1)
+
+
+def test_peak_spread_counts_each_peak_and_the_launches_over_the_prediction() -> None:
+    lines = peak_spread.spread_lines([100 * MIB, 103 * MIB, 100 * MIB], 101 * MIB)
+    assert lines == ["100.00 MiB (-1.0% of predicted): 2 of 3", "103.00 MiB (+2.0% of predicted): 1 of 3",
+                     "spread 3.00% of the least; over the prediction: 1 of 3"]
+
+
+@pytest.mark.multiprocess
+def test_peak_spread_launches_one_plan_again_and_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """A planning launch, then a hand-made plan of the tiny GPT trained twice from its saved file."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(compare, "run_ranks", run_ranks_in_pool)
+    assert peak_spread.main(["--preset", "tiny", "--choices", "zero3+ckpt,zero2,zero3", "--launches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "plan zero3+ckpt, zero2, zero3 on default, 2 launches:" in out
+    launches = [line for line in out.splitlines() if line.startswith("launch ")]
+    assert len(launches) == 2 and all(" MiB (rank " in line for line in launches)
+    counts = [int(line.split(": ")[-1].split(" of ")[0]) for line in out.splitlines() if "% of predicted): " in line]
+    assert sum(counts) == 2 and "spread " in out
 
 
 def test_a_recorded_profile_reads_back_for_repricing() -> None:

@@ -105,8 +105,8 @@ def test_the_median_of_calibrations_ignores_one_outlier_in_each_term() -> None:
     assert two.overhead["zero2"].constant_s == pytest.approx(2 * base.overhead["zero2"].constant_s)
 
 
-def test_terms_of_the_linear_stacks_are_not_reused() -> None:
-    assert CACHE_FORMAT == 4  # format 3: terms from bare Linear stacks, with nothing between the collectives
+def test_terms_timed_with_gloos_own_reduce_scatter_are_not_reused() -> None:
+    assert CACHE_FORMAT == 5  # format 4: gloo's reduce-scatter; 3: bare Linear stacks, nothing between the collectives
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncated", "negative", "empty", "foreign", "old_format", "too_old"])

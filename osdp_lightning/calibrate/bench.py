@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from osdp_lightning.apply import Meshes, apply_plan
 from osdp_lightning.choices import REGISTRY, ChoiceFamily
 from osdp_lightning.choices.base import FamilyCalibration, StackTimings
+from osdp_lightning.collectives import reduce_scatter
 from osdp_lightning.links import synchronize
 from osdp_lightning.optim_state import clone_optimizer
 from osdp_lightning.plan import Plan, UnitPlan
@@ -273,7 +274,7 @@ def time_collective_sizes(device: torch.device, repeats: int) -> dict[str, float
         numel = max(nbytes // 4 // world, 1) * world
         full, shard = torch.zeros(numel, device=device), torch.zeros(numel // world, device=device)
         ops[f"{ALL_GATHER}@{numel * 4}"] = lambda f=full, s=shard: dist.all_gather_into_tensor(f, s)
-        ops[f"{REDUCE_SCATTER}@{numel * 4}"] = lambda f=full, s=shard: dist.reduce_scatter_tensor(s, f)
+        ops[f"{REDUCE_SCATTER}@{numel * 4}"] = lambda f=full, s=shard: reduce_scatter(s, f)
         ops[f"{ALL_REDUCE}@{numel * 4}"] = lambda f=full: dist.all_reduce(f)
     samples: dict[str, list[float]] = {name: [] for name in ops}
     with warnings.catch_warnings():  # renamed in newer torch; the old name works from 2.6 on
