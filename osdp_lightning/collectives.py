@@ -5,10 +5,10 @@ and copies the chunk out; the buffer belongs to the collective's work object, wh
 thread releases after the call has returned, sometimes only once the next unit's backward has
 gathered its parameters. A plan's peak then held one more unsharded unit of gradients in some
 launches and not in others (4 of 12 launches of a zero3 plan beside another 2-rank gloo job: one
-GPT block, +6.77 MiB, FSDPMemTracker). Reducing in the input FSDP2 already made (it is not read
-again) leaves no buffer to release late, and on 2 CPU ranks it is faster: a 6.77 MiB reduce took
-9.6-17.4 ms against gloo's 11.1-21.6 ms (medians of 40, 3 rounds). NCCL reduce-scatters in place
-already; FSDP2 keeps its own collective there.
+GPT block, +6.77 MiB; ``benchmarks/peak_spread.py``). Reducing in the input FSDP2 already made (it
+is not read again) leaves no buffer to release late and saves the copy; a whole step measured as
+fast as with gloo's collective (docs/benchmarks.md section 2). NCCL reduce-scatters without such a
+buffer; FSDP2 keeps its own collective there.
 """
 
 from __future__ import annotations
