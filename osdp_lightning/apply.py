@@ -15,7 +15,7 @@ deadlock the first collective):
 
 On gloo every FSDP2 module reduce-scatters with an all-reduce in place (``osdp_lightning/collectives.py``):
 gloo's own collective leaves a buffer of the input's size for its worker thread to free, which
-made a plan's peak differ between launches.
+lets a plan's peak differ between launches.
 """
 
 from __future__ import annotations
