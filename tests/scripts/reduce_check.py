@@ -13,20 +13,10 @@ Rank 0 writes the figures as JSON; any failed check raises (non-zero exit code).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_checks import main
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.launch import free_port  # noqa: E402
 
 WORLD = 2
 NUMEL = WORLD * 300_001  # odd chunks: nothing lines up by luck
@@ -105,28 +95,12 @@ def check_training(rank: int, mesh) -> dict:  # noqa: ANN001
     return {"losses": losses}
 
 
-def run(rank: int, port: int, out: str | None) -> None:
+def checks(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        result = {"results": check_results(rank), "memory": check_memory(), "training": check_training(rank, mesh)}
-        if rank == 0:
-            print(json.dumps(result, indent=1))
-            if out:
-                Path(out).write_text(json.dumps(result, indent=1))
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    return {"results": check_results(rank), "memory": check_memory(), "training": check_training(rank, mesh)}
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    if "RANK" in os.environ:  # started by a launcher (the test suite's rank pool, torchrun)
-        run(int(os.environ["RANK"]), int(os.environ["MASTER_PORT"]), args.out)
-    else:
-        mp.spawn(run, args=(free_port(), args.out), nprocs=WORLD)
+    main(checks, WORLD)

@@ -14,22 +14,13 @@ Rank 0 writes the numbers as JSON; any failed check raises (non-zero exit code).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_checks import main
 from torch import nn
 
 # NOTE: osdp_lightning is imported inside the functions that need it: importing the package
 # imports Lightning (seconds), and only the two spawned ranks need it, not the launching parent.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.launch import free_port  # noqa: E402
 
 WORLD = 2
 REL_TOL = 1e-4
@@ -194,30 +185,14 @@ def check_memory(rank: int, meshes: tuple) -> list[dict]:
     return rows
 
 
-def run(rank: int, port: int, out: str | None) -> None:
+def checks(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
-    try:
-        meshes = (init_device_mesh("cpu", (WORLD,)),
-                  init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard")))
-        result = {"training": check_training(rank, meshes), "checkpoints": check_checkpoints(rank, meshes),
-                  "memory": check_memory(rank, meshes)}
-        if rank == 0:
-            print(json.dumps(result, indent=1))
-            if out:
-                Path(out).write_text(json.dumps(result, indent=1))
-    finally:
-        dist.destroy_process_group()
+    meshes = (init_device_mesh("cpu", (WORLD,)),
+              init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard")))
+    return {"training": check_training(rank, meshes), "checkpoints": check_checkpoints(rank, meshes),
+            "memory": check_memory(rank, meshes)}
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    if "RANK" in os.environ:  # started by a launcher (the test suite's rank pool, torchrun)
-        run(int(os.environ["RANK"]), int(os.environ["MASTER_PORT"]), args.out)
-    else:
-        mp.spawn(run, args=(free_port(), args.out), nprocs=WORLD)
+    main(checks, WORLD)
