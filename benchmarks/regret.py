@@ -13,7 +13,10 @@ Per model shape (``--shapes``: the benchmark's default GPT, and the same with 12
    best plans that are not osdp's, and ``--random`` random plans that fit;
 3. every distinct plan is trained once per round (``--plan``, so setup does not profile or solve
    and the plan is the only difference), on the same data and seed, the order rotated one place
-   each round (:func:`osdp_lightning.calibrate.bench.rotated`); rows report medians over rounds.
+   each round (:func:`osdp_lightning.calibrate.bench.rotated`); rows report medians over rounds;
+4. with ``--confirm-rounds``, osdp's plan and the ``--confirm-top`` fastest others that fit each
+   budget are trained that many rounds more, rotated, for a regret measured apart from the rounds
+   that picked them (:mod:`benchmarks.regret_report`).
 
 Reports per shape and budget (:mod:`benchmarks.regret_report`): osdp's throughput over the best
 measured candidate whose measured peak fits (the regret ratio), osdp's rank, the Spearman
@@ -61,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--random", type=int, default=20, help="random feasible plans per budget")
     parser.add_argument("--next-best", type=int, default=3, help="next-best solver plans per budget")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--confirm-rounds", type=int, default=0,
+                        help="rounds of the finalists after the screening rounds (0: none)")
+    parser.add_argument("--confirm-top", type=int, default=2,
+                        help="finalists per budget besides osdp's plan: the fastest that fit, by the screening")
     parser.add_argument("--seed", type=int, default=0, help="training seed; random plans use it too")
     compare.add_run_arguments(parser, "regret", run_timeout_s=600.0)
     return parser
@@ -105,16 +112,16 @@ def draw_candidates(pool: Pool, pricing: Pricing, budgets: dict[str, int], args:
 
 
 def train(cand: Candidate, round_index: int, settings: dict[str, int], args: argparse.Namespace, work: Path,
-          shape: str) -> dict[str, Any]:
+          shape: str, stage: str = regret_report.SCREEN) -> dict[str, Any]:
     """One 2-rank run of one candidate, applied from its saved plan; its record, without the bulky plan."""
     safe = "".join(ch if ch.isalnum() else "_" for ch in cand.name)
-    label, plan_path = f"{shape}_r{round_index}_{safe}", work / f"{shape}_plan_{safe}.json"
+    label, plan_path = f"{shape}_{stage}{round_index}_{safe}", work / f"{shape}_plan_{safe}.json"
     if not plan_path.exists():
         cand.plan.save(plan_path)
     record = compare.launch("osdp", None, settings, args, work, label, ("--plan", str(plan_path)))
     for key in ("plan", "profile", "cluster"):
         record.pop(key, None)
-    record.update(candidate=cand.name, round=round_index, load_average=compare.load_average())
+    record.update(candidate=cand.name, round=round_index, stage=stage, load_average=compare.load_average())
     print(regret_report.progress_line(record, cand), flush=True)
     return record
 
@@ -159,7 +166,24 @@ def run_shape(shape: str, settings: dict[str, int], args: argparse.Namespace, wo
             if r > 0 or cand is not replicate:
                 runs.append(train(cand, r, settings, args, work, shape))
                 save(result)
+    if args.confirm_rounds > 0:
+        confirm(result, jobs, settings, args, work, save)
     return result
+
+
+def confirm(result: dict[str, Any], jobs: list[Candidate], settings: dict[str, int], args: argparse.Namespace,
+            work: Path, save: Callable[[dict[str, Any]], None]) -> None:
+    """The confirmation rounds: every budget's finalists (picked on the screening rounds), rotated."""
+    chosen = regret_report.finalists(result, args.confirm_top)
+    names = set().union(*chosen.values())
+    finals = [cand for cand in jobs if cand.name in names]
+    result["confirm"] = {"rounds": args.confirm_rounds, "top": args.confirm_top, "finalists": chosen}
+    print(f"  confirming {len(finals)} finalists ({', '.join(c.name for c in finals)}), "
+          f"{args.confirm_rounds} round(s)", flush=True)
+    for r in range(args.confirm_rounds):
+        for cand in rotated(finals, r):
+            result["runs"].append(train(cand, r, settings, args, work, result["shape"], regret_report.CONFIRM))
+            save(result)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,13 @@ the latter: an order that launches of one plan do not repeat cannot be predicted
 at a budget is the median over its candidates of the spread of each one's rounds ((slowest -
 fastest) / median of its steps).
 
+Confirmation (``--confirm-rounds``): the fastest candidate of a few rounds is partly the luckiest
+(of twenty candidates with single rounds 10% apart, the one measured fastest was also lucky), so the
+regret above leans low. After the rounds that rank every candidate (the screening), osdp's plan and
+the ``--confirm-top`` fastest other candidates that fit each budget are trained again for
+``--confirm-rounds`` rounds, rotated, and the confirmed regret (:func:`confirmed_row`) pairs those
+rounds only: finalists are picked on the screening, their speed is measured afresh.
+
 Where a shape's prediction errors come from (:func:`error_sources`): one profile and one
 calibration price every candidate of a shape, so part of the error is shared by all of them (the
 tilt; it leaves the order alone), part follows the plans' families (one calibration's per-family
@@ -26,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +46,8 @@ from osdp_lightning.plan import choices_text
 
 MIB = 2**20
 REGRET_TARGET, SPEARMAN_TARGET = 0.97, 0.9
+SCREEN, CONFIRM = "screen", "confirm"
+"""A run's stage: the rounds that rank every candidate, or the later rounds of the finalists."""
 
 
 def progress_line(record: dict[str, Any], cand: Any) -> str:
@@ -97,13 +107,13 @@ def spearman_beyond_noise(predicted: list[float], steps: list[float], share: flo
     return spearman(predicted, steps if share is None else tie_classes(steps, share))
 
 
-def measured(shape: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per candidate: its predictions and the medians of its successful runs."""
-    rows = []
+def measured(shape: dict[str, Any], stage: str = SCREEN) -> list[dict[str, Any]]:
+    """One row per candidate: its predictions and the medians of its successful runs of ``stage``."""
+    rows, runs = [], [r for r in shape["runs"] if r.get("stage", SCREEN) == stage]
     for cand in shape["candidates"]:
-        ok = [r for r in shape["runs"] if r["candidate"] == cand["name"] and r["status"] == "ok"]
+        ok = [r for r in runs if r["candidate"] == cand["name"] and r["status"] == "ok"]
         row = {**cand, "runs_ok": len(ok),
-               "runs_failed": sum(1 for r in shape["runs"] if r["candidate"] == cand["name"] and r["status"] != "ok")}
+               "runs_failed": sum(1 for r in runs if r["candidate"] == cand["name"] and r["status"] != "ok")}
         if ok:
             row.update(step_s=statistics.median(r["summary"]["step_s"] for r in ok),
                        tokens_per_s=statistics.median(r["summary"]["tokens_per_s"] for r in ok),
@@ -183,11 +193,21 @@ def _paired_ratio(mine: dict[str, Any], best: dict[str, Any]) -> float:
     return statistics.median(mine["by_round"][r] / best["by_round"][r] for r in rounds)
 
 
+def osdp_row(rows: list[dict[str, Any]], label: str) -> dict[str, Any] | None:
+    """The row of osdp's plan at the budget ``label`` (under its own name or found first as another)."""
+    return next((r for r in rows if f"osdp @ {label}" in [r["name"], *r["aliases"]]), None)
+
+
+def fitting_rows(rows: list[dict[str, Any]], budget: int) -> list[dict[str, Any]]:
+    """The candidates of a budget whose measured peak fits it, fastest first."""
+    return sorted((r for r in members(rows, budget) if r["peak_bytes"] <= budget), key=lambda r: -r["tokens_per_s"])
+
+
 def budget_row(shape: dict[str, Any], rows: list[dict[str, Any]], label: str, budget: int) -> dict[str, Any]:
     """Regret ratio, osdp's rank and the Spearman correlation at one budget."""
     mine = members(rows, budget)
-    fitting = sorted((r for r in mine if r["peak_bytes"] <= budget), key=lambda r: -r["tokens_per_s"])
-    osdp = next((r for r in rows if f"osdp @ {label}" in [r["name"], *r["aliases"]]), None)
+    fitting = fitting_rows(rows, budget)
+    osdp = osdp_row(rows, label)
     row: dict[str, Any] = {"shape": shape["shape"], "budget": label, "budget_bytes": budget,
                            "candidates": len(mine), "fitting": len(fitting),
                            "over_budget": [r["name"] for r in mine if r["peak_bytes"] > budget]}
@@ -205,6 +225,54 @@ def budget_row(shape: dict[str, Any], rows: list[dict[str, Any]], label: str, bu
                osdp_rank=1 + sum(1 for r in fitting if r is not osdp and r["tokens_per_s"] > osdp["tokens_per_s"]),
                osdp_choices=choices_text(osdp["choices"]))
     return row
+
+
+def finalists(shape: dict[str, Any], top: int) -> dict[str, list[str]]:
+    """Per budget, osdp's plan and the ``top`` fastest other candidates that fit it, by the screening
+    medians (budgets whose osdp plan did not train have none)."""
+    rows = measured(shape)
+    chosen: dict[str, list[str]] = {}
+    for label, budget in shape["budgets"].items():
+        osdp = osdp_row(rows, label)
+        if osdp is not None and osdp["runs_ok"]:
+            chosen[label] = [osdp["name"], *[r["name"] for r in fitting_rows(rows, budget) if r is not osdp][:top]]
+    return chosen
+
+
+def confirmed_row(shape: dict[str, Any], label: str, budget: int) -> dict[str, Any] | None:
+    """The regret at one budget over the confirmation rounds only: osdp's plan against the fastest
+    finalist whose measured peak (every run, both stages) fits, round by round; osdp's paired ratio
+    against every finalist. ``None`` without confirmation rounds at that budget."""
+    names = shape.get("confirm", {}).get("finalists", {}).get(label)
+    if not names:
+        return None
+    screened = {r["name"]: r for r in measured(shape)}
+    rows = {r["name"]: r for r in measured(shape, CONFIRM) if r["runs_ok"]}
+    fitting = [rows[n] for n in names if n in rows and max(rows[n]["peak_bytes"], screened[n]["peak_bytes"]) <= budget]
+    row: dict[str, Any] = {"shape": shape["shape"], "budget": label, "finalists": names,
+                           "rounds": min((r["runs_ok"] for r in rows.values()), default=0)}
+    osdp = rows.get(names[0])
+    if osdp is None or osdp not in fitting:
+        return {**row, "status": "osdp did not train" if osdp is None else "osdp over budget"}
+    best = max(fitting, key=lambda r: r["tokens_per_s"])
+    versus = {r["name"]: _paired_ratio(osdp, r) for r in fitting if r is not osdp}
+    return {**row, "status": "ok", "osdp_tokens_per_s": osdp["tokens_per_s"], "best": best["name"],
+            "best_tokens_per_s": best["tokens_per_s"], "versus": versus,
+            "regret_ratio": 1.0 if best is osdp else versus[best["name"]]}
+
+
+def confirmed_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| shape | budget | rounds | osdp tokens/s | fastest finalist | its tokens/s | confirmed regret ratio "
+             "| osdp against each finalist (paired medians) |", "|" + "---|" * 8]
+    for r in rows:
+        head = f"| {r['shape']} | {r['budget']} | {r['rounds']} "
+        if r["status"] != "ok":
+            lines.append(head + f"| {r['status']} | | | | |")
+            continue
+        versus = ", ".join(f"{name} {ratio:.3f}" for name, ratio in r["versus"].items()) or "-"
+        lines.append(head + f"| {r['osdp_tokens_per_s']:.0f} | {r['best']} | {r['best_tokens_per_s']:.0f} "
+                     f"| {r['regret_ratio']:.3f} | {versus} |")
+    return "\n".join(lines)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -248,13 +316,18 @@ def candidates_table(shape: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def verdicts(budget_rows: list[dict[str, Any]]) -> list[str]:
+def _regret_verdict(what: str, ratios: list[float]) -> str:
+    return (f"- {what} >= {REGRET_TARGET} at every budget: "
+            + ("n/a" if not ratios else f"{'MET' if min(ratios) >= REGRET_TARGET else 'MISSED'} (lowest {min(ratios):.3f})"))
+
+
+def verdicts(budget_rows: list[dict[str, Any]], confirmed: Sequence[dict[str, Any]] = ()) -> list[str]:
     ok = [r for r in budget_rows if r["status"] == "ok"]
-    ratios = [r["regret_ratio"] for r in ok]
     rhos = [r["spearman_beyond_noise"] for r in budget_rows if r.get("spearman_beyond_noise") is not None]
-    return [f"- regret ratio >= {REGRET_TARGET} at every budget: "
-            + ("n/a" if not ratios else f"{'MET' if min(ratios) >= REGRET_TARGET else 'MISSED'} "
-               f"(lowest {min(ratios):.3f})"),
+    lines = [_regret_verdict("regret ratio", [r["regret_ratio"] for r in ok])]
+    if confirmed:
+        lines.append(_regret_verdict("confirmed regret ratio", [r["regret_ratio"] for r in confirmed if r["status"] == "ok"]))
+    return [*lines,
             f"- Spearman(predicted, measured step) beyond the run's noise >= {SPEARMAN_TARGET}: "
             + ("n/a" if not rhos else f"{'MET' if min(rhos) >= SPEARMAN_TARGET else 'MISSED'} "
                f"(lowest {min(rhos):.2f}, median {statistics.median(rhos):.2f})"),
@@ -269,9 +342,15 @@ def write_outputs(out_dir: Path, machine: dict[str, Any], shapes: list[dict[str,
     per_shape = [(shape, measured(shape)) for shape in shapes]
     budget_rows = [budget_row(shape, rows, label, budget) for shape, rows in per_shape
                    for label, budget in shape["budgets"].items()]
-    parts = [f"machine: {json.dumps(machine, default=str)}", "", regret_table(budget_rows), "", "targets:",
-             *verdicts(budget_rows), "", "where the prediction errors come from (log errors; see the module docstring):", "",
-             error_sources_table(per_shape), ""]
+    confirmed = [row for shape in shapes for label, budget in shape["budgets"].items()
+                 if (row := confirmed_row(shape, label, budget)) is not None]
+    parts = [f"machine: {json.dumps(machine, default=str)}", "", regret_table(budget_rows), ""]
+    if confirmed:
+        parts += ["confirmed (osdp and the fastest candidates of the rounds above, trained again; only these "
+                  "rounds are paired):", "", confirmed_table(confirmed), ""]
+    parts += ["targets:", *verdicts(budget_rows, confirmed), "",
+              "where the prediction errors come from (log errors; see the module docstring):", "",
+              error_sources_table(per_shape), ""]
     for shape, rows in per_shape:
         parts += [candidates_table(shape, rows), ""]
     if plot:

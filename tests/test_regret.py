@@ -150,11 +150,44 @@ def test_budget_row_pairs_rounds_and_excludes_plans_over_budget() -> None:
     assert "| s | 100% | 100.00 | 3 / 4 | 675 | replicate | 900 | 0.750 | 3 of 3 |" in text
 
 
+def _confirmed_shape() -> dict:
+    """:func:`_shape` with three confirmation rounds of its finalists; random 1 peaks over the budget in one."""
+    shape = _shape()
+    shape["confirm"] = {"rounds": 3, "top": 2, "finalists": regret_report.finalists(shape, 2)}
+    again = [*_runs("osdp @ 100%", (980, 990, 1000), 95 * MIB), *_runs("replicate", (1000, 1000, 950), 99 * MIB),
+             *_runs("random 1 @ 100%", (900, 1100, 1000), 80 * MIB)]
+    again[-1]["summary"]["peak_bytes"] = 102 * MIB
+    shape["runs"] += [{**run, "stage": regret_report.CONFIRM} for run in again]
+    return shape
+
+
+def test_finalists_are_osdp_and_the_fastest_that_fit_the_screening() -> None:
+    # screening medians: replicate 900, random 1 700, osdp 675; random 2 (1500) peaked over the budget
+    assert regret_report.finalists(_shape(), 2) == {"100%": ["osdp @ 100%", "replicate", "random 1 @ 100%"]}
+    assert regret_report.finalists(_shape(), 1) == {"100%": ["osdp @ 100%", "replicate"]}
+
+
+def test_confirmed_regret_pairs_the_confirmation_rounds_only() -> None:
+    shape = _confirmed_shape()
+    screening = regret_report.budget_row(shape, regret_report.measured(shape), "100%", 100 * MIB)
+    assert screening["regret_ratio"] == pytest.approx(0.75)  # the confirmation runs leave the screening alone
+    row = regret_report.confirmed_row(shape, "100%", 100 * MIB)
+    # random 1 went over the budget in a confirmation run; osdp against replicate: 0.98, 0.99, 1.053
+    assert row["status"] == "ok" and row["rounds"] == 3 and row["best"] == "replicate"
+    assert row["versus"] == {"replicate": pytest.approx(0.99)} and row["regret_ratio"] == pytest.approx(0.99)
+    assert "| s | 100% | 3 | 990 | replicate | 1000 | 0.990 | replicate 0.990 |" in regret_report.confirmed_table([row])
+    assert regret_report.confirmed_row(_shape(), "100%", 100 * MIB) is None
+
+
 def test_outputs_are_written(tmp_path: Path) -> None:
     text = regret_report.write_outputs(tmp_path, {"devices": 2, "rounds": 2}, [_shape()], plot=True)
     assert "regret ratio >= 0.97 at every budget: MISSED (lowest 0.750)" in text
     assert (tmp_path / "regret.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "regret_runs.json").read_text())["shapes"][0]["shape"] == "s"
+    assert "confirmed" not in text
+    text = regret_report.write_outputs(tmp_path, {"devices": 2, "rounds": 2}, [_confirmed_shape()], plot=False)
+    assert "regret ratio >= 0.97 at every budget: MISSED (lowest 0.750)" in text
+    assert "confirmed regret ratio >= 0.97 at every budget: MET (lowest 0.990)" in text
 
 
 @pytest.mark.multiprocess
@@ -187,3 +220,11 @@ def test_ranks_a_slow_plan_below_all_replicate(tmp_path: Path, monkeypatch: pyte
     assert row["status"] == "ok" and row["candidates"] == 3
     ranked = sorted(rows.values(), key=lambda r: -r["tokens_per_s"])
     assert ranked[-1]["name"] == "slow"
+    # one confirmation round of osdp's plan and the fastest other that fits, measured apart from the above
+    args.confirm_rounds, args.confirm_top = 1, 1
+    regret.confirm(shape, candidates, settings, args, tmp_path, lambda _: None)
+    again = [r for r in shape["runs"] if r["stage"] == regret_report.CONFIRM]
+    assert sorted(r["candidate"] for r in again) == sorted(shape["confirm"]["finalists"]["100%"])
+    assert all(r["status"] == "ok" for r in again)
+    confirmed = regret_report.confirmed_row(shape, "100%", budget)
+    assert confirmed["status"] == "ok" and confirmed["rounds"] == 1
