@@ -32,7 +32,7 @@ from osdp_lightning.step_terms import COLLECTIVES, GROUP_TERMS, PLAIN, Affine, S
 STEPS = 8
 DDP_ARGS = ("--model", "dropout_mlp", "--steps", str(STEPS), "--strategy", "ddp")
 # dropout_mlp on 2 ranks, micro-batch 8: the smallest budget that fits is about 3.0 MiB, all-replicate
-# needs about 4.4 MiB plus the 4% headroom; at 4.1 MiB one block fits replicated beside sharded ones.
+# needs about 4.4 MiB plus the headroom; at 4.1 MiB one block fits replicated beside sharded ones.
 MIXED_BUDGET = "4.1MiB"
 
 
