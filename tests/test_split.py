@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from ckpt_launch import run_ranks, script
+from ckpt_launch import run_gloo_checks
 from torch import nn
 
 from osdp_lightning.choices import choice_cost, split_choice
@@ -214,10 +213,7 @@ def test_split_transient_falls_with_k() -> None:
 
 @pytest.mark.multiprocess
 def test_split_linear_under_fsdp2_on_two_ranks(tmp_path: Path) -> None:
-    out = tmp_path / "split.json"
-    done = run_ranks([script("split_fsdp_check.py"), "--out", str(out)], tmp_path / "log", 240, cwd=tmp_path)
-    assert done.returncode == 0, done.log[-9000:]
-    result = json.loads(out.read_text())
+    result = run_gloo_checks("split_fsdp_check.py", tmp_path)
     assert result["training"]["max_rel_diff"] < 1e-4
     assert result["checkpoints"]["keys"] == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
     assert all(abs(row["error"]) <= 0.15 for row in result["memory"] if row["k"] > 1)

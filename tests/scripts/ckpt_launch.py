@@ -9,6 +9,7 @@ in ranks started once for the whole test session (:mod:`rank_pool`).
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rank_pool import RankPool
 
@@ -141,3 +143,12 @@ def session_members(session_id: int) -> list[int]:
 
 def script(name: str) -> str:
     return str(SCRIPTS / name)
+
+
+def run_gloo_checks(name: str, tmp_path: Path, timeout_s: float = 240) -> dict[str, Any]:
+    """A ``gloo_checks`` script (``tests/scripts/NAME``) on 2 ranks: rank 0's JSON result; fails with
+    the log's tail if the script did."""
+    out = tmp_path / f"{Path(name).stem}.json"
+    done = run_ranks([script(name), "--out", str(out)], tmp_path / "log", timeout_s, cwd=tmp_path)
+    assert done.returncode == 0, done.log[-9000:]
+    return json.loads(out.read_text())
