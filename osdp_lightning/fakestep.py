@@ -11,12 +11,19 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
+import traceback
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
@@ -40,6 +47,33 @@ _CPU_SDPA_FLOPS = {
     _aten._scaled_dot_product_flash_attention_for_cpu_backward:
         lambda grad, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(grad, q, k, v),
 }
+
+
+class FakeStepError(ValueError):
+    """The training step cannot run on fake tensors (it reads a tensor's values, or an operator has
+    no shape-only implementation), so its bytes cannot be counted without running it for real."""
+
+
+@contextlib.contextmanager
+def fake_step_errors() -> Iterator[None]:
+    """Within the block, the fake-tensor errors of an operation that needs data become a
+    :class:`FakeStepError` saying which operation, and where in the model's code it ran."""
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as err:
+        raise FakeStepError(f"the training step cannot run on fake tensors: {type(err).__name__} in "
+                            f"{err.func if hasattr(err, 'func') else err} at {_caller_outside_torch(err)} "
+                            "(an operation whose result depends on tensor values)") from err
+
+
+def _caller_outside_torch(err: BaseException) -> str:
+    """The innermost frame of the traceback that is not torch's own machinery (a model's code, or
+    the torch module that read the values)."""
+    internals = os.sep + os.path.join("torch", "")
+    frames = traceback.extract_tb(err.__traceback__)
+    inner = [f for f in frames if internals not in f.filename or os.sep + "nn" + os.sep in f.filename]
+    frame = (inner or frames)[-1]
+    return f"{frame.filename}:{frame.lineno} ({frame.name})"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import pickle
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -51,6 +52,17 @@ def all_gather_object(obj: Any) -> list[Any]:
 
 
 # -- failing together ------------------------------------------------------------------------------
+def portable_error(error: BaseException) -> BaseException:
+    """``error`` if it survives pickling (to be broadcast to the other ranks), else a
+    ``RuntimeError`` with its type and message: an exception holding an unpicklable object (a
+    pybind11 function record, a lock) must still reach every rank."""
+    try:
+        copy = pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001  (any failure to round-trip: send the text instead)
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return copy if isinstance(copy, BaseException) else RuntimeError(f"{type(error).__name__}: {error}")
+
+
 def raise_if_any_rank_failed(error: BaseException | None, stage: str) -> None:
     """Call on every rank with this rank's error (or ``None``); raises on every rank if any failed."""
     messages = all_gather_object(None if error is None else f"{type(error).__name__}: {error}")

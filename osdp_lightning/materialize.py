@@ -4,17 +4,26 @@ then initialise it one unit at a time.
 After the plan is applied to the meta model, ``to_empty`` allocates what each rank keeps (its
 shards of sharded units, whole replicated units). Values come from a meta copy of the model made
 before the plan was applied (the *template*), one plan unit at a time: that unit's own tensors
-are given storage in the template, every module's ``reset_parameters()`` runs (children before
-their parents, so a block may refine what its layers did; on the still-meta tensors of other
-units it does nothing), and the unit's values are loaded into the sharded model, then freed. The
-template is the same on every rank and the random generator is seeded alike on every rank, so
-replicated units are identical everywhere and the shards of a sharded unit come from one whole
-tensor, as under eager construction; at most one unit is ever whole on the device.
+are given storage in the template, every module is initialised (children before their parents,
+so a block may refine what its layers did; on the still-meta tensors of other units this does
+nothing), and the unit's values are loaded into the sharded model, then freed. The template is the
+same on every rank and the random generator is seeded alike on every rank, so replicated units are
+identical everywhere and the shards of a sharded unit come from one whole tensor, as under eager
+construction; at most one unit is ever whole on the device. Tied parameters stay one tensor in
+the template and in the sharded model (``to_empty_keeping_ties``).
 
-The initialisation contract (as Lightning's and FSDP's for meta-device models): every module that
-owns parameters or buffers is initialised by its own ``reset_parameters()`` or an ancestor's;
-non-persistent buffers (a causal mask, rotary tables) must be re-created there too, since no
-checkpoint holds them. Anything left uninitialised is an error naming the module.
+The initialisation contract (as Lightning's and FSDP's for meta-device models):
+
+- your own modules: every module that owns parameters or buffers is initialised by its own
+  ``reset_parameters()`` or an ancestor's; non-persistent buffers (a causal mask, rotary tables)
+  must be re-created there too, since no checkpoint holds them;
+- Hugging Face models (``transformers.PreTrainedModel``, anywhere in the model): each module inside
+  one is initialised as eager construction does it, its own ``reset_parameters()`` where it has
+  one, then the innermost enclosing model's ``_init_weights(module)`` (what ``post_init()`` runs;
+  in transformers 5 it also re-creates rotary ``inv_freq`` and other buffers computed in
+  ``__init__``); see :mod:`osdp_lightning.hf_init`.
+
+Anything left uninitialised is an error naming the module.
 """
 
 from __future__ import annotations
@@ -29,11 +38,13 @@ from torch import nn
 
 from osdp_lightning.canonical import fill_like
 from osdp_lightning.fakestep import to_empty_keeping_ties
+from osdp_lightning.hf_init import init_as_hugging_face, is_hugging_face_model
 from osdp_lightning.units import ROOT
 
 
 class UninitializedModuleError(RuntimeError):
-    """A module of a meta-device model whose tensors no ``reset_parameters()`` reached."""
+    """A module of a meta-device model whose tensors no ``reset_parameters()`` (nor, inside a Hugging
+    Face model, its ``_init_weights``) reached."""
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -73,7 +84,7 @@ def materialize(root: nn.Module, module: nn.Module, template: nn.Module, units: 
         for group in groups:
             names = [n for n in holders if owner_of[n] == group]
             with _materialized(template, names, device):
-                reset_parameters_post_order(template)
+                initialise_post_order(template)
                 _check_initialised(template, names)
                 for name in names:
                     _load_module(module.get_submodule(name), holders[name])
@@ -119,19 +130,24 @@ def _sentinel_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return new.fill_(True if new.dtype == torch.bool else torch.iinfo(new.dtype).max)
 
 
-def reset_parameters_post_order(template: nn.Module) -> None:
-    """Every module's ``reset_parameters()``, children before parents."""
+def initialise_post_order(module: nn.Module, owner: nn.Module | None = None) -> None:
+    """Initialise every module of ``module``, children before parents, as the module docstring says:
+    ``reset_parameters()`` where a module has one, then, inside a Hugging Face model, that model's
+    ``_init_weights``. ``owner``: the Hugging Face model holding ``module`` when ``module`` is a part
+    of one (or a copy of such a part; :func:`osdp_lightning.hf_init.hugging_face_owner` finds it)."""
     with torch.no_grad():
-        for m in _post_order(template):
-            reset = getattr(m, "reset_parameters", None)
-            if callable(reset):
-                reset()
+        _initialise(module, owner)
 
 
-def _post_order(m: nn.Module) -> Iterator[nn.Module]:
+def _initialise(m: nn.Module, owner: nn.Module | None) -> None:
+    owner = m if is_hugging_face_model(m) else owner
     for child in m.children():
-        yield from _post_order(child)
-    yield m
+        _initialise(child, owner)
+    reset = getattr(m, "reset_parameters", None)
+    if callable(reset):
+        reset()
+    if owner is not None:
+        init_as_hugging_face(owner, m)
 
 
 def _check_initialised(template: nn.Module, names: Sequence[str]) -> None:
@@ -145,8 +161,10 @@ def _check_initialised(template: nn.Module, names: Sequence[str]) -> None:
         raise UninitializedModuleError(
             "these modules of the model built on the meta device were not initialised: "
             f"{'; '.join(missing)}. osdp initialises each module with its own reset_parameters() or an "
-            "ancestor's (children first, then parents); define reset_parameters() on these modules (re-create "
-            "their buffers there too), or build the model eagerly.")
+            "ancestor's (children first, then parents) and, inside a Hugging Face model (transformers' "
+            "PreTrainedModel), with that model's _init_weights(module) too; define reset_parameters() on these "
+            "modules or cover them in _init_weights (re-create their non-persistent buffers there too), or build "
+            "the model eagerly.")
 
 
 def _looks_unset(t: torch.Tensor) -> bool:

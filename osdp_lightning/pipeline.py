@@ -25,7 +25,7 @@ from torch import nn
 from osdp_lightning.budget import MemoryBudget, format_budget, format_bytes
 from osdp_lightning.choices import Choice, ChoiceOptions, choice_space
 from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.fakestep import MIXED_PRECISION_DTYPES
+from osdp_lightning.fakestep import MIXED_PRECISION_DTYPES, FakeStepError
 from osdp_lightning.measure import measure_choice_overheads, profile_lightning_module
 from osdp_lightning.optim_state import configured_optimizer, optimizer_state_bytes_per_param
 from osdp_lightning.plan import Plan, baseline_peak_bytes, make_plan
@@ -111,10 +111,13 @@ def profile_model(module: nn.Module, batch: object, device: torch.device, option
         # NOTE: under "bf16-true" and the like the parameters already have their dtype; the fake step
         # needs a precision only for autocast.
         precision = options.precision if options.precision in MIXED_PRECISION_DTYPES else "32-true"
-        return profile_from_shapes(module, batch, device, precision=precision, step_context=step_context,
-                                   split_factors=options.split_factors,
-                                   check_checkpointing=options.check_checkpointing, repeats=options.repeats,
-                                   **units)
+        try:
+            return profile_from_shapes(module, batch, device, precision=precision, step_context=step_context,
+                                       split_factors=options.split_factors,
+                                       check_checkpointing=options.check_checkpointing, repeats=options.repeats,
+                                       **units)
+        except FakeStepError as err:
+            raise FakeStepError(_cannot_plan_from_shapes(module, err)) from err
     profile = profile_lightning_module(module, batch, optimizer=optimizer, step_context=step_context,
                                        repeats=options.repeats, check_checkpointing=options.check_checkpointing,
                                        **units)
@@ -122,6 +125,16 @@ def profile_model(module: nn.Module, batch: object, device: torch.device, option
         profile = measure_choice_overheads(module, batch, profile, ChoiceOptions(split_factors=options.split_factors),
                                            step_context)
     return profile
+
+
+def _cannot_plan_from_shapes(module: nn.Module, err: FakeStepError) -> str:
+    """What failed, and what would work: the whole profile's budget (an eager build) instead."""
+    whole = WHOLE_PROFILE_WEIGHT_COPIES * weight_bytes(module)
+    return (f"osdp plans this model from shapes (its whole profile, about {WHOLE_PROFILE_WEIGHT_COPIES}x its "
+            f"weights = {format_budget(whole)}, does not fit the budget, or it is built on the meta device), but {err}. "
+            f"Build it eagerly with memory_budget='{format_budget(whole)}' or more (osdp then profiles the whole "
+            "model for real), or make that operation independent of tensor values (e.g. pass is_causal=True "
+            "instead of a mask that is inspected)")
 
 
 @dataclasses.dataclass(frozen=True)

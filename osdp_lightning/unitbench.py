@@ -25,19 +25,29 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from itertools import chain
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from osdp_lightning.choices import ChoiceOptions
 from osdp_lightning.estimate import estimate_profile
-from osdp_lightning.fakestep import build_fake_module, build_meta_module, fake_batch, fake_mode, step_runner
+from osdp_lightning.fakestep import (
+    build_fake_module,
+    build_meta_module,
+    fake_batch,
+    fake_mode,
+    fake_step_errors,
+    step_runner,
+)
 from osdp_lightning.guards import preserved_rng
-from osdp_lightning.materialize import reset_parameters_post_order
+from osdp_lightning.hf_init import hugging_face_owner
+from osdp_lightning.materialize import initialise_post_order
 from osdp_lightning.measure import measure_choice_overheads, with_checkpoint_refusals
 from osdp_lightning.profile import ModelProfile, UnitProfile, logging_disabled, loss_runner, measure_units
 from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS, UnitSpec, select_units
@@ -69,27 +79,36 @@ def profile_from_shapes(module: nn.Module, batch: object, device: torch.device, 
     ``device``) for training on ``batch``; see the module docstring."""
     start = time.perf_counter()
     template = build_meta_module(module)
-    # NOTE: one second per FLOP: the estimate's times are its FLOP counts, priced below.
-    counted = estimate_profile(template, batch, peak_flops_per_s=1.0, compute_efficiency=1.0, precision=precision,
-                               unit_module_types=unit_module_types, unit_name_patterns=unit_name_patterns,
-                               min_unit_params=min_unit_params, split_factors=split_factors, with_parts=True,
-                               optimizer_device=device)
     specs = {s.name: s for s in select_units(template, unit_module_types, unit_name_patterns, min_unit_params)}
-    calls = record_unit_calls(template, batch, list(specs.values()), precision)
+    with fake_step_errors():
+        # NOTE: one second per FLOP: the estimate's times are its FLOP counts, priced below.
+        counted = estimate_profile(template, batch, peak_flops_per_s=1.0, compute_efficiency=1.0, precision=precision,
+                                   unit_module_types=unit_module_types, unit_name_patterns=unit_name_patterns,
+                                   min_unit_params=min_unit_params, split_factors=split_factors, with_parts=True,
+                                   optimizer_device=device)
+        calls = record_unit_calls(template, batch, list(specs.values()), precision)
     measured: dict[str, UnitProfile] = {}
-    kinds: dict[str, UnitProfile] = {}
+    kinds: dict[str, UnitProfile | UnitMeasureError] = {}
     for unit in counted.units:
         if unit.name not in calls:
             continue  # the root, tied units (several modules), units never called
         kind = _kind(template, specs[unit.name], calls[unit.name])
         if kind not in kinds:
-            kinds[kind] = measure_unit(template, specs[unit.name], calls[unit.name], device, step_context=step_context,
-                                       split_factors=split_factors, check_checkpointing=check_checkpointing,
-                                       repeats=repeats)
-        measured[unit.name] = kinds[kind]
+            try:
+                kinds[kind] = measure_unit(template, specs[unit.name], calls[unit.name], device,
+                                           step_context=step_context, split_factors=split_factors,
+                                           check_checkpointing=check_checkpointing, repeats=repeats)
+            except UnitMeasureError as err:
+                kinds[kind] = err
+        if isinstance(kinds[kind], UnitProfile):
+            measured[unit.name] = kinds[kind]
+    unmeasured = {name: kinds[_kind(template, specs[name], call)] for name, call in calls.items()
+                  if name not in measured and name in specs}
     forward_spf, backward_spf = _seconds_per_flop(counted.units, measured)
-    units = tuple(_measured(u, measured[u.name]) if u.name in measured else _priced(u, forward_spf, backward_spf)
-                  for u in counted.units)
+    if unmeasured:
+        _warn_priced(unmeasured, bool(measured))
+    units = tuple(_measured(u, measured[u.name]) if u.name in measured
+                  else _priced(u, forward_spf, backward_spf, unmeasured.get(u.name)) for u in counted.units)
     return dataclasses.replace(counted, units=units, step_s=sum(u.forward_s + u.backward_s for u in units),
                                profile_s=time.perf_counter() - start)
 
@@ -97,7 +116,7 @@ def profile_from_shapes(module: nn.Module, batch: object, device: torch.device, 
 def record_unit_calls(template: nn.Module, batch: object, specs: Sequence[UnitSpec], precision: str
                       ) -> dict[str, tuple[tuple, dict]]:
     """The first ``(args, kwargs)`` each single-module unit's forward receives in one fake forward,
-    tensors as :class:`InputSpec`."""
+    tensors as :class:`InputSpec`, as training passes them (:func:`as_trained`)."""
     mode = fake_mode()
     fake = build_fake_module(template, mode)
     inputs = fake_batch(batch, mode)
@@ -106,7 +125,7 @@ def record_unit_calls(template: nn.Module, batch: object, specs: Sequence[UnitSp
     def recorder(name: str) -> Callable:
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
             if name not in calls:
-                calls[name] = tree_map_only(torch.Tensor, _input_spec, (args, kwargs))
+                calls[name] = tree_map_only(torch.Tensor, _input_spec, as_trained(args, kwargs))
         return hook
 
     handles = [fake.get_submodule(s.module_names[0]).register_forward_pre_hook(recorder(s.name), with_kwargs=True)
@@ -118,6 +137,25 @@ def record_unit_calls(template: nn.Module, batch: object, specs: Sequence[UnitSp
         for handle in handles:
             handle.remove()
     return calls
+
+
+def as_trained(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A unit's arguments as a training step passes them: a Hugging Face key/value cache replaced by
+    ``None`` and ``use_cache=False``, as Hugging Face's own training path with gradient checkpointing
+    does (a cache the forward writes into would carry one repeat's keys and values into the next)."""
+    def drop(value: object) -> object:
+        return None if _is_hugging_face_cache(value) else value
+    args = tuple(drop(a) for a in args)
+    kwargs = {k: False if k == "use_cache" and v is True else drop(v) for k, v in kwargs.items()}
+    return args, kwargs
+
+
+def _is_hugging_face_cache(value: object) -> bool:
+    """A ``transformers`` ``Cache`` (without importing ``transformers``: a model that passes one has
+    loaded the module that defines the class)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    cache_class = getattr(cache_utils, "Cache", None)
+    return cache_class is not None and isinstance(value, cache_class)
 
 
 def _input_spec(t: torch.Tensor) -> InputSpec:
@@ -145,7 +183,9 @@ class _UnitBench(nn.Module):
         self.call = call
 
     def forward(self) -> object:
-        args, kwargs = self.call
+        # NOTE: a fresh copy of every object around the tensors for each repeat: a forward that
+        # writes into an argument (a dict of memos, a cache) must not see an earlier repeat's writes.
+        args, kwargs = copy.deepcopy(self.call, memo={id(t): t for t in _flat_tensors(self.call)})
         return getattr(self, BENCH_NAME)(*args, **kwargs)
 
 
@@ -162,9 +202,10 @@ def measure_unit(template: nn.Module, spec: UnitSpec, call: tuple[tuple, dict], 
         with torch.no_grad():
             for t in chain(unit.parameters(), unit.buffers()):
                 t.normal_(0.0, 0.02) if t.is_floating_point() else t.zero_()
-        # NOTE: then its own init where it has one: with norms' weights at 0.02 the backward's values
-        # shrink into subnormal floats, which x86 computes many times slower (blocks measured 20-30% slow).
-        reset_parameters_post_order(unit)
+        # NOTE: then its own init where it has one (a Hugging Face block: its model's): with norms'
+        # weights at 0.02 the backward's values shrink into subnormal floats, which x86 computes many
+        # times slower (blocks measured 20-30% slow).
+        initialise_post_order(unit, hugging_face_owner(template, prefix))
         bench = _UnitBench(unit, tree_map_only(InputSpec, lambda s: _random_input(s, device), call))
     run_loss = loss_runner(bench, None, step_context)
     renamed = _renamed(spec, prefix)
@@ -190,6 +231,10 @@ def measure_unit(template: nn.Module, spec: UnitSpec, call: tuple[tuple, dict], 
     if not found:
         raise UnitMeasureError(f"osdp measured unit {spec.name!r} apart from the model, but its forward never ran")
     return found[0]
+
+
+def _flat_tensors(obj: object) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
 def _random_input(spec: InputSpec, device: torch.device) -> torch.Tensor:
@@ -232,10 +277,27 @@ def _measured(counted: UnitProfile, bench: UnitProfile) -> UnitProfile:
     return dataclasses.replace(timed(counted, bench), parts=with_parts)
 
 
-def _priced(unit: UnitProfile, forward_spf: float, backward_spf: float) -> UnitProfile:
-    """A unit no copy measured (the root, tied units): its FLOPs at the measured seconds per FLOP;
-    not a split candidate (its overhead was not measured)."""
+def _warn_priced(unmeasured: dict[str, UnitMeasureError], any_measured: bool) -> None:
+    """Units that could not run apart from the model are priced by their FLOPs; with no unit
+    measured there is no price per FLOP, and nothing can price them."""
+    first = next(iter(unmeasured.values()))
+    if not any_measured:
+        raise first
+    names = ", ".join(repr(n) for n in list(unmeasured)[:4]) + (" ..." if len(unmeasured) > 4 else "")
+    cause = first.__cause__ or first
+    warnings.warn(f"osdp could not run {len(unmeasured)} unit(s) apart from the model ({names}: "
+                  f"{type(cause).__name__}: {cause}); their seconds are their FLOPs at the seconds per FLOP the "
+                  "measured units achieved, and they are not split or checkpointed", stacklevel=3)
+
+
+def _priced(unit: UnitProfile, forward_spf: float, backward_spf: float,
+            unmeasured: UnitMeasureError | None = None) -> UnitProfile:
+    """A unit no copy measured (the root, tied units, a unit that cannot run alone): its FLOPs at the
+    measured seconds per FLOP; not a split candidate (its overhead was not measured), and a unit that
+    could not run alone is not checkpointed (its recomputation could not be checked)."""
+    refusal = f"not measured apart from the model ({unmeasured.__cause__ or unmeasured})" if unmeasured else ""
     return dataclasses.replace(
         unit, forward_s=unit.forward_s * forward_spf, backward_s=unit.backward_s * backward_spf,
-        split_overhead_s=(), parts=tuple(_priced(p, forward_spf, backward_spf) for p in unit.parts))
+        split_overhead_s=(), checkpoint_refusal=unit.checkpoint_refusal or refusal,
+        parts=tuple(_priced(p, forward_spf, backward_spf, unmeasured) for p in unit.parts))
 
