@@ -195,3 +195,24 @@ def test_a_hugging_face_model_trains_under_a_solved_plan_as_ddp_does(tmp_path: P
         elif built["numel"] >= 1024:
             assert built["std"] == pytest.approx(reference["std"], rel=0.15), name
             assert abs(built["mean"] - reference["mean"]) < 0.2 * reference["std"], name
+
+
+MIXED = {"net.model.embed_tokens": "zero3", "net.model.layers.0": "zero2+ckpt",
+         "net.model.layers.1.self_attn.q_proj": "split(k=2, sharded=1)", "net.model.layers.1.self_attn.o_proj": "zero2",
+         "net.model.layers.1.mlp.gate_proj": "split(k=2, sharded=2)+ckpt", "net.model.layers.1.mlp.down_proj": "replicate",
+         "net.lm_head": "replicate", "": "replicate"}
+"""Every kind of choice on a meta-built Llama, its second block by its parts (others there: zero3)."""
+
+
+@pytest.mark.multiprocess
+def test_every_kind_of_choice_trains_a_meta_built_llama(tmp_path: Path) -> None:
+    ranks = _run(tmp_path, "mixed.json", "--family", "llama", "--meta",
+                 "--choices", ";".join(f"{k}={v}" for k, v in MIXED.items()))
+    plan = ranks[0]["plan"]
+    assert all(plan[name] == choice for name, choice in MIXED.items()), plan
+    assert "zero3" in {plan[n] for n in plan if n.startswith("net.model.layers.1.")}
+    for rank in ranks:
+        losses = rank["losses"]
+        assert len(losses) == 8 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+        assert losses[0] == pytest.approx(math.log(VOCAB), rel=0.05)
+    assert ranks[0]["stats"] == ranks[1]["stats"]  # one model, whatever each rank holds of it

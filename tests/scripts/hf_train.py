@@ -26,6 +26,7 @@ from osdp_lightning import OSDPStrategy
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.estimate import estimate_profile
 from osdp_lightning.plan import Plan, fixed_plan
+from osdp_lightning.profile import with_parts
 
 VOCAB, SEQ, BATCH = 256, 32, 4
 SMALL = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
@@ -87,6 +88,8 @@ def hand_made_plan(family: str, choices: str, world_size: int) -> Plan:
     batch = torch.zeros(BATCH, SEQ, dtype=torch.long)
     profile = estimate_profile(lambda: HFModule(family), (batch,), peak_flops_per_s=1e12, split_factors=(2,),
                                with_parts=True)
+    # a block whose parts are named is planned by its parts
+    profile = with_parts(profile, [u.name for u in profile.units if any(p.name in wanted for p in u.parts)])
     cluster = ClusterSpec(world_size=world_size, memory_budget_bytes=2**40, collective_latency_s=1e-4,
                           bandwidth_bytes_per_s=1e9)
     return fixed_plan(profile, cluster, [wanted.get(u.name, "zero3") for u in profile.units], source="hand-made")

@@ -64,12 +64,13 @@ def main() -> None:
 def fit(run: dict) -> list[dict]:
     """Train one run (the process group of an earlier run is reused); every rank's result."""
     L.seed_everything(0, workers=True)
-    model = MODELS[run.get("model", "mlp")]()
     osdp = run["strategy"] == "osdp"
     strategy = OSDPStrategy(plan=run.get("plan"), memory_budget=run.get("budget")) if osdp else "ddp"
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, num_nodes=2, max_steps=run.get("steps", 5),
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, deterministic=True)
+    with trainer.init_module(empty_init=run.get("meta", False)):  # "meta": built on the meta device
+        model = MODELS[run.get("model", "mlp")]()
     trainer.fit(model)
     world_size, ranks_per_node = environment_topology()
     timings = measure_node_collectives(torch.device("cpu"), ranks_per_node)

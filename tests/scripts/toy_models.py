@@ -172,7 +172,7 @@ class MemoMLP(Regression):
 class HuggingFaceLM(LossRecorder):
     """A Hugging Face ``transformers`` model built from a config: random weights, nothing downloaded.
 
-    Its blocks (``GPT2Block``, ``BertLayer``, ``T5Block``) are found by the default unit selection,
+    Its blocks (``GPT2Block``, ``BertLayer``, ``T5Block``, ``LlamaDecoderLayer``) are found by the default unit selection,
     as an FSDP user's auto-wrap policy finds them.
     """
 
@@ -189,6 +189,10 @@ class HuggingFaceLM(LossRecorder):
                                                         intermediate_size=64, max_position_embeddings=SEQ,
                                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                                         **small))
+        elif kind == "llama":  # rotary position tables, grouped-query attention, RMSNorm
+            self.net = hf.LlamaForCausalLM(hf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                          num_attention_heads=4, num_key_value_heads=2,
+                                                          max_position_embeddings=SEQ, **small))
         else:
             self.net = hf.T5ForConditionalGeneration(hf.T5Config(d_model=32, d_kv=16, d_ff=64, num_layers=2,
                                                                  num_heads=2, dropout_rate=0.0,
@@ -204,7 +208,7 @@ class HuggingFaceLM(LossRecorder):
 
 
 MODELS = {"mlp": MLP, "transformer": TorchTransformer, "tied_lm": TiedLM, "dropout_mlp": DropoutMLP, "memo_mlp": MemoMLP,
-          **{f"hf_{kind}": (lambda kind=kind: HuggingFaceLM(kind)) for kind in ("gpt2", "bert", "t5")}}
+          **{f"hf_{kind}": (lambda kind=kind: HuggingFaceLM(kind)) for kind in ("gpt2", "bert", "t5", "llama")}}
 
 
 class DropoutGPT2(LossRecorder):
