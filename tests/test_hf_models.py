@@ -15,7 +15,6 @@ import threading
 import warnings
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 from torch import nn
@@ -116,27 +115,8 @@ def test_a_unit_that_cannot_run_alone_is_priced_by_its_flops_with_a_warning() ->
         profile_from_shapes(alone, batch, torch.device("cpu"), unit_module_types=units, repeats=1)
 
 
-class DemoLM(L.LightningModule):
-    """Lightning's demo Transformer: its encoder inspects the causal mask's values."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from lightning.pytorch.demos import Transformer
-
-        self.model = Transformer(vocab_size=VOCAB, ninp=32, nhead=2, nhid=64, nlayers=2)
-
-    def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
-        (tokens,) = batch
-        out = self.model(tokens[:, :-1], tokens[:, 1:])
-        return nn.functional.nll_loss(out, tokens[:, 1:].reshape(-1))
-
-    def configure_optimizers(self):  # noqa: ANN201
-        return torch.optim.AdamW(self.parameters())
-
-
 def test_a_model_the_fake_step_cannot_run_gets_an_error_saying_where_and_what_works() -> None:
-    with torch.device("meta"):
-        model = DemoLM()
+    model = _meta("lightning_demo")
     with pytest.raises(FakeStepError) as info:
         profile_model(model, _tokens(), torch.device("cpu"), ProfileOptions(), whole=False)
     message = str(info.value)
@@ -216,3 +196,14 @@ def test_every_kind_of_choice_trains_a_meta_built_llama(tmp_path: Path) -> None:
         assert len(losses) == 8 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
         assert losses[0] == pytest.approx(math.log(VOCAB), rel=0.05)
     assert ranks[0]["stats"] == ranks[1]["stats"]  # one model, whatever each rank holds of it
+
+
+@pytest.mark.multiprocess
+def test_planning_errors_reach_every_rank_and_say_what_would_work(tmp_path: Path) -> None:
+    """A budget no plan fits names the smallest that does; a model the fake step cannot run (its
+    error holds an unpicklable operator) is the same clear error on both ranks."""
+    small = _run(tmp_path, "small.json", "--family", "gpt2", "--budget", "60%ddp")
+    demo = _run(tmp_path, "demo.json", "--family", "lightning_demo", "--budget", "60%ddp")
+    for rank in range(2):
+        assert small[rank]["error"].startswith("InfeasibleBudgetError") and "memory_budget='" in small[rank]["error"]
+        assert demo[rank]["error"].startswith("FakeStepError") and "_detect_is_causal_mask" in demo[rank]["error"]

@@ -52,6 +52,10 @@ def hf_model(family: str) -> torch.nn.Module:
     if family == "t5":
         return hf.T5ForConditionalGeneration(hf.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
                                                          dropout_rate=0.0, decoder_start_token_id=0, **SMALL))
+    if family == "lightning_demo":  # not Hugging Face: Lightning's demo, whose encoder reads its mask's values
+        from lightning.pytorch.demos import Transformer
+
+        return Transformer(vocab_size=VOCAB, ninp=32, nhead=2, nhid=64, nlayers=2)
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -66,6 +70,9 @@ class HFModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
         (tokens,) = batch
+        if self.family == "lightning_demo":
+            out = self.net(tokens[:, :-1], tokens[:, 1:])  # (B * (SEQ - 1), VOCAB) log-probabilities
+            return torch.nn.functional.nll_loss(out, tokens[:, 1:].reshape(-1))
         extra = {} if self.family in ("bert", "t5") else {"use_cache": False}
         return self.net(input_ids=tokens, labels=tokens, **extra).loss
 
