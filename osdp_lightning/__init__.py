@@ -9,6 +9,7 @@ from osdp_lightning.budget import MemoryBudget, format_bytes, parse_bytes, parse
 from osdp_lightning.callbacks import TrainingSummary
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.plan import InfeasibleBudgetError, Plan, PlanMismatchError, make_plan
+from osdp_lightning.pretrained import PretrainedWeights, load_pretrained
 from osdp_lightning.profile import is_profiling
 from osdp_lightning.strategy import OSDPStrategy
 
@@ -21,9 +22,11 @@ __all__ = [
     "OSDPStrategy",
     "Plan",
     "PlanMismatchError",
+    "PretrainedWeights",
     "TrainingSummary",
     "format_bytes",
     "is_profiling",
+    "load_pretrained",
     "make_plan",
     "parse_bytes",
     "parse_memory_budget",

@@ -51,7 +51,7 @@ from osdp_lightning.choices.checkpointing import refusal_message
 from osdp_lightning.clip import with_sharded_clipping
 from osdp_lightning.cluster import ClusterSpec, NodeTimings, live_cluster_spec, measure_node_collectives
 from osdp_lightning.fakestep import build_meta_module
-from osdp_lightning.faults import all_ranks_succeed, init_elastic_process_group
+from osdp_lightning.faults import all_ranks_succeed, init_elastic_process_group, portable_error
 from osdp_lightning.guards import preserved_rng
 from osdp_lightning.materialize import has_meta_tensors, materialize
 from osdp_lightning.optim_state import configured_optimizer
@@ -66,6 +66,7 @@ from osdp_lightning.pipeline import (
     whole_profile_fits,
 )
 from osdp_lightning.plan import Plan
+from osdp_lightning.pretrained import PretrainedWeights, load_pretrained
 from osdp_lightning.profile import ModelProfile, is_profiling
 from osdp_lightning.report import format_comparison, log_plan
 from osdp_lightning.setup_inputs import (
@@ -130,6 +131,10 @@ class OSDPStrategy(ModelParallelStrategy):
             first launches each measure and add theirs (``~/.cache/osdp_lightning``, or
             ``$OSDP_LIGHTNING_CACHE_DIR``; one file per process group and optimizer); ``False`` measures anew.
         save_distributed_checkpoint: Sharded (default) or one consolidated checkpoint file.
+        pretrained: Weights to start from, loaded once the plan is applied: a Hugging Face model
+            directory, a ``.safetensors`` file or a ``torch.save`` state dict, or a
+            :class:`~osdp_lightning.pretrained.PretrainedWeights` (key prefix, ``strict``). Each rank
+            reads only the tensors and rows it keeps; names and shapes must match (strict).
     """
 
     strategy_name = "osdp"
@@ -146,7 +151,8 @@ class OSDPStrategy(ModelParallelStrategy):
                  overlap_efficiency: float | None = None, solver_time_limit_s: float | None = 60.0,
                  headroom: float | int | str | None = None, calibration_cache: bool = True,
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout) -> None:
+                 timeout: timedelta | None = default_pg_timeout,
+                 pretrained: str | Path | PretrainedWeights | None = None) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.memory_budget = parse_memory_budget(memory_budget) if memory_budget is not None else None
@@ -171,6 +177,7 @@ class OSDPStrategy(ModelParallelStrategy):
         self._node_timings: NodeTimings | None = None
         self._meshes: Meshes | None = None
         self._root: RootWrapper | None = None
+        self.pretrained = PretrainedWeights(str(pretrained)) if isinstance(pretrained, (str, Path)) else pretrained
         self.setup_s: dict[str, float] = {}
         """Seconds spent at setup: calibrate, profile, solve, apply (rank 0's figures)."""
 
@@ -303,6 +310,8 @@ class OSDPStrategy(ModelParallelStrategy):
                             self.root_device, seed)
             elif not self._profile_whole:
                 self._root.to(self.root_device)  # what no unit's fully_shard moved (replicated units)
+        if self.pretrained is not None:  # NOTE: its own all_ranks_succeed: no rank waits for a failed one
+            load_pretrained(module, self.pretrained)  # after init, so the file's values win
         connect_plan(self._root)  # a collective (replicate: DDP's reducer): once every rank applied its part
         self.model = self._root
         self.setup_s = {
@@ -342,13 +351,16 @@ class OSDPStrategy(ModelParallelStrategy):
         rank_zero_info(f"osdp: step terms {self._step_terms.source}"
                        + (f" ({self._step_terms.calibrate_s:.2f} s)" if self._step_terms.calibrate_s else ""))
         outcome: list[Any] = [None]
+        failure: Exception | None = None
         if self.global_rank == 0:
             try:
                 outcome[0] = self._profile_and_solve(trainer, module)
             except Exception as err:  # every rank must learn of the failure, not wait forever
-                outcome[0] = err
+                failure, outcome[0] = err, portable_error(err)
         if dist.is_initialized() and self.world_size > 1:
             dist.broadcast_object_list(outcome, src=0)
+        if failure is not None:
+            raise failure
         if isinstance(outcome[0], Exception):
             raise outcome[0]
         profile, plan = outcome[0]

@@ -41,6 +41,7 @@ from osdp_lightning.cli.common import (
     write_json,
 )
 from osdp_lightning.plot import try_plot_plan
+from osdp_lightning.pretrained import PretrainedWeights
 from osdp_lightning.report import format_comparison, prediction_errors
 from osdp_lightning.strategy import OSDPStrategy
 
@@ -64,6 +65,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     # Lightning's way to build a model too large for one device: on the meta device, materialized by osdp
     with trainer.init_module(empty_init=True) if meta_init else contextlib.nullcontext():
         module = instantiate(cfg.model)
+    pretrained = getattr(module, "pretrained", None)  # a recipe's model.pretrained=DIR
+    if meta_init and pretrained is not None and strategy.pretrained is None:
+        # NOTE: built on the meta device, the model took only the directory's config; each rank reads
+        # its shards of the weights once the plan is applied.
+        strategy.pretrained = PretrainedWeights(str(pretrained))
     try:
         trainer.fit(module, datamodule=datamodule)
         return report(trainer, summary, cfg) if trainer.is_global_zero else {}
