@@ -13,8 +13,12 @@
    peaks (predicted and measured) and tokens per second; osdp also under a budget halfway between
    all-replicate's and all-checkpointed's predicted peaks (only checkpointing saves memory on one
    device) and with the model built on the meta device (Lightning's ``init_module``).
+3. **bf16-mixed.** The plans of a profile made under bf16 autocast (sharded units gathered in bf16,
+   reduced in fp32) against FSDP2 written by hand with the same ``MixedPrecisionPolicy``, under the
+   fake process group: peaks predicted and measured, bytes all-gathered per step (2 per element),
+   step seconds (``benchmarks/gpu_precision.py``).
 
-    python -m benchmarks.gpu_check [--device cuda] [--layers 8 --hidden 1024]
+    python -m benchmarks.gpu_check [--device cuda] [--layers 8 --hidden 1024] [--skip memory training bf16]
 """
 
 from __future__ import annotations
@@ -218,7 +222,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 8])
-    parser.add_argument("--skip", choices=("memory", "training"), default=None)
+    parser.add_argument("--skip", nargs="*", choices=("memory", "training", "bf16"), default=[])
     args = parser.parse_args()
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -227,9 +231,14 @@ def main() -> None:
     for kind, profile in found.items():
         print(f"{kind} profile: {profile.param_count:,} parameters, {len(profile.units)} units, "
               f"measured in {profile.profile_s:.1f} s", flush=True)
-    if args.skip != "memory":
+    if "memory" not in args.skip:
         check_memory(args, device, found)
-    if args.skip != "training":
+    if "bf16" not in args.skip:
+        from benchmarks.gpu_precision import check_bf16  # NOTE: it imports this module's helpers
+
+        print()
+        check_bf16(args, device)
+    if "training" not in args.skip:
         print()
         compare_single_device(args, found["whole"])
 

@@ -36,6 +36,7 @@ def _unit_from_dict(u: dict[str, Any]) -> UnitProfile:
     return UnitProfile(**{**u, "module_names": tuple(u["module_names"]),
                           "linear_shape": tuple(u["linear_shape"]) if u.get("linear_shape") else None,
                           "split_overhead_s": tuple(tuple(x) for x in u.get("split_overhead_s", ())),
+                          "param_dtypes": tuple(u.get("param_dtypes", ())),
                           "parts": tuple(_unit_from_dict(p) for p in u.get("parts", ()))})
 
 

@@ -220,7 +220,7 @@ def real_setup(model: str) -> tuple[ModelProfile, ClusterSpec, tuple[Choice, ...
 
 def real_rows(models: tuple[str, ...], cbc_cap_s: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Solver rows of each model's table, and the whole make_plan calls of the targets."""
-    from osdp_lightning.pipeline import batch_candidates
+    from osdp_lightning.planner import batch_candidates
 
     rows, plans = [], []
     for model in models:

@@ -1,24 +1,30 @@
 """osdp_lightning: Optimal Sharded Data Parallel (arXiv 2209.13258) as a Lightning strategy.
 
-``import osdp_lightning`` registers ``Trainer(strategy="osdp")``.
+``import osdp_lightning`` registers ``Trainer(strategy="osdp")`` and ``Fabric(strategy="osdp")``.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from osdp_lightning.budget import MemoryBudget, format_bytes, parse_bytes, parse_memory_budget
 from osdp_lightning.callbacks import TrainingSummary
 from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.config import OSDPConfig
+from osdp_lightning.fabric_strategy import OSDPFabricStrategy
 from osdp_lightning.plan import InfeasibleBudgetError, Plan, PlanMismatchError, make_plan
 from osdp_lightning.pretrained import PretrainedWeights, load_pretrained
 from osdp_lightning.profile import is_profiling
 from osdp_lightning.strategy import OSDPStrategy
 
 OSDPStrategy.register_strategies(StrategyRegistry)
+OSDPFabricStrategy.register_strategies(STRATEGY_REGISTRY)
 
 __all__ = [
     "ClusterSpec",
     "InfeasibleBudgetError",
     "MemoryBudget",
+    "OSDPConfig",
+    "OSDPFabricStrategy",
     "OSDPStrategy",
     "Plan",
     "PlanMismatchError",

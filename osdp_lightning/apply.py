@@ -20,6 +20,7 @@ lets a plan's peak differ between launches.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -31,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from osdp_lightning.choices import REGISTRY, apply_choice, mesh_group_sizes
 from osdp_lightning.collectives import reduce_in_place_on_gloo
 from osdp_lightning.plan import Plan
+from osdp_lightning.precision import plan_precision, sharded_precision
 from osdp_lightning.profile import ROOT
 from osdp_lightning.shutdown import release_at_exit
 
@@ -79,6 +81,10 @@ def apply_plan(model: nn.Module, root: nn.Module, plan: Plan, meshes: Meshes,
                mp_policy: MixedPrecisionPolicy | None = None, build_reducer: bool = True) -> None:
     """Apply ``plan`` in place: units live inside ``model``; ``root`` is the outermost module.
 
+    Sharded units run under ``mp_policy``, by default the policy the plan was priced for
+    (``bf16-mixed``: gathered in bf16, reduced in fp32; :mod:`osdp_lightning.precision`); the
+    root's does not cast its forward's inputs (the batch: a float target stays as the loss reads it).
+
     ``root`` may be ``model`` itself or a wrapper around it whose forward runs first (Lightning's
     wrapper dispatches to ``training_step``); FSDP2 makes the first module to run forward the root.
     ``build_reducer=False`` leaves out the one step that talks to the other ranks (DDP's reducer
@@ -86,15 +92,16 @@ def apply_plan(model: nn.Module, root: nn.Module, plan: Plan, meshes: Meshes,
     this far, then calls :func:`connect_plan`.
     """
     release_at_exit()  # what holds the group is freed before finalization (shutdown.py)
-    policy = mp_policy or MixedPrecisionPolicy()
+    policy = mp_policy or plan_precision(plan).policy()
+    root_policy = dataclasses.replace(policy, cast_forward_inputs=False)
     meshes = with_group_meshes(meshes, plan)
     for unit in plan.units:
         if unit.name != ROOT:
             apply_choice(model, unit.module_names, unit.choice, meshes, policy)
-    apply_choice(root, (ROOT,), plan.choice_of(ROOT), meshes, policy)
+    apply_choice(root, (ROOT,), plan.choice_of(ROOT), meshes, root_policy)
     # What a family does once for the whole plan (replicated units and slices were only marked).
     for family in REGISTRY.families.values():
-        family.finish(root, meshes, policy)
+        family.finish(root, meshes, root_policy)
     reduce_in_place_on_gloo(root, meshes.shard.get_group())
     if build_reducer:
         connect_plan(root)
@@ -126,15 +133,11 @@ def step_groups_apart(optimizers: list[torch.optim.Optimizer]) -> list[str]:
     return changed
 
 
-def mixed_precision_policy(precision: str | None) -> MixedPrecisionPolicy:
-    """FSDP2 policy for Lightning's ``precision=`` flag.
-
-    Under ``bf16-mixed`` Lightning's autocast does the compute casting; parameters, gathers and
-    gradient reductions stay fp32 (what the profile measured), so the default policy is right.
-    """
-    if precision in (None, "32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"):
-        return MixedPrecisionPolicy()
-    raise ValueError(f"precision {precision!r} is not supported by the osdp strategy")
+def mixed_precision_policy(precision: str | None, reduce_dtype: str = "float32") -> MixedPrecisionPolicy:
+    """FSDP2 policy of sharded units under Lightning's ``precision=`` flag: ``bf16-mixed`` gathers in
+    bf16 and reduces in ``reduce_dtype`` (autocast computes; the fp32 shards are the master weights),
+    the ``*-true`` flags keep the parameters' dtype; ``16-mixed`` is refused, naming what works."""
+    return sharded_precision(precision, reduce_dtype).policy()
 
 
 def world_device_type(device: torch.device) -> str:

@@ -45,9 +45,9 @@ import re
 from dataclasses import dataclass
 
 import torch
-from lightning.fabric.utilities.data import _num_cpus_available
 
 from osdp_lightning.aliases import ALIASES, BASELINES
+from osdp_lightning.lightning_compat import num_cpus_available
 
 CUDA_HEADROOM_FRACTION = 0.08
 CPU_SHARE_FRACTION = 0.80
@@ -261,7 +261,7 @@ def plan_headroom(headroom: float | int | str | None, device: torch.device,
             return PlanHeadroom(0, headroom, given)
         return PlanHeadroom(0, 0.0, given) if headroom in (0, "0") else PlanHeadroom(parse_bytes(headroom), 0.0, given)
     if device.type != "cuda":
-        cores = _num_cpus_available()
+        cores = num_cpus_available()
         if ranks_per_node > cores:
             return PlanHeadroom(0, SHARED_CORES_HEADROOM_FRACTION, f"the CPU default for {ranks_per_node} ranks "
                                 f"sharing {cores} cores: peaks move between launches (1.0% measured) and the "

@@ -38,7 +38,9 @@ def build_choice_table(profile: ModelProfile, cluster: ClusterSpec, micro_batch_
     allowed = list(dict.fromkeys(allowed))
     # Every choice's cost holds its unit's activations; the table keeps the rest of the peak
     # (backward temporaries; negative when the dry run counts part of the saved bytes as fixed).
-    rest = int(profile.activation_bytes * ctx.batch_scale) - sum(ctx.activation_bytes(unit) for unit in profile.units)
+    copies = sum(unit.cast_param_bytes for unit in profile.units)  # NOTE: autocast's, which do not grow with it
+    rest = (int((profile.activation_bytes - copies) * ctx.batch_scale) + copies
+            - sum(ctx.activation_bytes(unit) for unit in profile.units))
     # NOTE: with every unit's own backward temporaries measured (its rise), the rest is the loss's,
     # alive at the root's own moments only, as is what the root saved after the last unit.
     measured = ctx.batch_scale == 1 and all(u.backward_rise_bytes is not None for u in profile.units if u.name != ROOT)

@@ -68,10 +68,15 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
     return total ** (1.0 / norm_type)
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, *,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for gradients on any mix of meshes; returns the total norm."""
     parameters = list(parameters)
     total = total_grad_norm(parameters, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):  # NOTE: torch's check and message, before scaling
+        raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, "
+                           "so it cannot be clipped. To disable this error and scale the gradients by the non-finite "
+                           "norm anyway, set `error_if_nonfinite=False`")
     coefficient = torch.clamp(max_norm / (total + _EPS), max=1.0)
     with torch.no_grad():
         for grad in _grads(parameters):

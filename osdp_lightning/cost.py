@@ -73,9 +73,16 @@ class CostContext:
         trainable = unit.param_count * self.profile.param_bytes_per_element
         return self.overhead_s(kind, 1, b.stored), self.optimizer_s(kind, tensor_count(unit), trainable)
 
-    def activation_bytes(self, unit: UnitProfile) -> int:
-        """Bytes the unit saves for backward at the table's micro-batch size."""
-        return int(unit.activation_bytes * self.batch_scale)
+    def activation_bytes(self, unit: UnitProfile, *, sharded: bool = False) -> int:
+        """Bytes the unit saves for backward at the table's micro-batch size; ``sharded``: as FSDP2
+        runs it, which under ``bf16-mixed`` gathers its parameters and casts its inputs to bf16
+        (its matmuls save the gathered parameters, no autocast copy; a residual stream is bf16)."""
+        copies = unit.cast_param_bytes  # NOTE: one per parameter, whatever the micro-batch
+        if not (sharded and self.profile.param_dtype):
+            return int((unit.activation_bytes - copies) * self.batch_scale) + copies
+        if unit.sharded_activation_bytes is not None:
+            return int(unit.sharded_activation_bytes * self.batch_scale)
+        return int((unit.activation_bytes - copies) * self.batch_scale)
 
     def world_latency_s(self) -> float:
         """Launch latency of a collective over all ranks (0 with one rank: there is none)."""
@@ -98,6 +105,8 @@ class UnitBytes:
     optimizer: int
     gathered: int
     """Parameters as gathered for compute."""
+    gathered_grads: int
+    """Gradients as a sharded unit computes them, unsharded (in the gathered parameters' dtype)."""
     reduced: int
     """Gradients as reduced."""
     largest_grad: int
@@ -110,6 +119,7 @@ class UnitBytes:
                    grads=unit.param_count * profile.grad_bytes_per_element,
                    optimizer=unit.param_count * profile.optimizer_bytes_per_param,
                    gathered=params * profile.compute_bytes_per_element,
+                   gathered_grads=unit.param_count * profile.compute_bytes_per_element,
                    reduced=unit.param_count * profile.reduce_bytes_per_element,
                    largest_grad=(unit.largest_tensor_count or unit.param_count) * profile.grad_bytes_per_element)
 

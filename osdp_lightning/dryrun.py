@@ -13,11 +13,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from osdp_lightning.choices import ChoiceOptions, choice_space
+from osdp_lightning.choices import ChoiceOptions
 from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.estimate import DEFAULT_COMPUTE_EFFICIENCY, estimate_profile
 from osdp_lightning.fakestep import ModelSource
-from osdp_lightning.plan import Plan, make_plan
+from osdp_lightning.plan import Plan
+from osdp_lightning.planner import Planner, PlanOptions
 from osdp_lightning.profile import ModelProfile
 
 __all__ = ["DEFAULT_COMPUTE_EFFICIENCY", "DRY_RUN_SOURCE", "estimate_profile", "dry_run_plan", "format_dry_run", "compose_config",
@@ -55,10 +56,8 @@ def dry_run_plan(model: ModelSource, batch: object, cluster: ClusterSpec, *,
     options = ChoiceOptions(split_factors=tuple(split_factors),
                             group_sizes=tuple(group_sizes) if group_sizes is not None else None,
                             activation_checkpointing=activation_checkpointing)
-    choices = choice_space(cluster, options)
-    plan = make_plan(profile, cluster, uniform_choice=uniform_choice,
-                     micro_batch_sizes=tuple(micro_batch_sizes) if micro_batch_sizes else None,
-                     choices=choices, time_limit_s=time_limit_s)
+    sizes = tuple(micro_batch_sizes) if micro_batch_sizes else None
+    plan = Planner(profile, cluster, options=PlanOptions(options, uniform_choice, sizes, time_limit_s)).plan()
     kind = f"uniform:{uniform_choice}" if uniform_choice else plan.source
     return dataclasses.replace(plan, source=f"{kind}; {DRY_RUN_SOURCE}")
 
@@ -118,7 +117,9 @@ def wants_dry_run(cfg: object) -> bool:
 def estimate_recipe_profile(cfg: object, cluster: ClusterSpec) -> tuple[ModelProfile, int]:
     """The dry-run profile of ``cfg.model`` on a batch of ``cfg.data`` for ``cluster``, and the
     tokens per sample. ``precision`` (default ``bf16-mixed`` on GPU clusters, else ``32-true``) and
-    ``compute_efficiency`` are read from the top level of ``cfg`` when present."""
+    ``compute_efficiency`` are read from the top level of ``cfg`` when present; sharded units are
+    priced as that precision runs them (``bf16-mixed``: gathered in bf16, reduced in the strategy's
+    ``reduce_dtype``, fp32 by default)."""
     from omegaconf import OmegaConf
 
     if not cluster.peak_flops_per_s:
@@ -133,6 +134,7 @@ def estimate_recipe_profile(cfg: object, cluster: ClusterSpec) -> tuple[ModelPro
         compute_efficiency=float(cfg.get("compute_efficiency", DEFAULT_COMPUTE_EFFICIENCY)),  # type: ignore[attr-defined]
         precision=str(cfg.get("precision", default_precision)),  # type: ignore[attr-defined]
         split_factors=tuple(strategy.get("split_factors") or ()),
+        reduce_dtype=str(strategy.get("reduce_dtype") or "float32"),
         optimizer_foreach=True if cfg.cluster.accelerator == "gpu" else None, **units)  # type: ignore[attr-defined]
     return profile, tokens_per_sample
 

@@ -18,7 +18,7 @@ takes seconds. From that step:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ from osdp_lightning.optim_state import (
     optimizer_state_bytes_per_param,
     optimizer_step_bytes,
 )
+from osdp_lightning.precision import sharded_precision, with_precision
 from osdp_lightning.profile import (
     ModelProfile,
     UnitProfile,
@@ -50,6 +51,7 @@ from osdp_lightning.profile import (
     tensor_bytes,
     with_measured_parts,
 )
+from osdp_lightning.recorder import sharded_saved_bytes
 from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS, ROOT, UnitSpec, owned_params, select_units
 
 DEFAULT_COMPUTE_EFFICIENCY = 0.4
@@ -73,8 +75,8 @@ def estimate_profile(model: ModelSource, batch: object, *, peak_flops_per_s: flo
                      unit_name_patterns: Sequence[str] | None = None,
                      min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS,
                      split_factors: Sequence[int] = (2, 4, 8), with_parts: bool = False,
-                     optimizer_device: torch.device | None = None, optimizer_foreach: bool | None = None
-                     ) -> ModelProfile:
+                     optimizer_device: torch.device | None = None, optimizer_foreach: bool | None = None,
+                     reduce_dtype: str = "float32") -> ModelProfile:
     """A :class:`ModelProfile` of ``model`` on ``batch`` without running it for real.
 
     ``model`` is a module (copied onto fake tensors) or a function that builds one (a
@@ -84,7 +86,9 @@ def estimate_profile(model: ModelSource, batch: object, *, peak_flops_per_s: flo
     ``optimizer_bytes_per_param`` (default: Adam's two states). ``with_parts``: blocks carry their
     parts (as in the measured profile), so that a plan may descend into them. The optimizer step's
     own bytes are measured on ``optimizer_device`` (default: the CPU), by torch's default path there
-    or ``optimizer_foreach`` (a GPU's default is the foreach path).
+    or ``optimizer_foreach`` (a GPU's default is the foreach path). Sharded units are priced as
+    ``precision`` runs them (``bf16-mixed``: gathered in bf16, reduced in ``reduce_dtype``;
+    :mod:`osdp_lightning.precision`).
     """
     start = time.perf_counter()
     if peak_flops_per_s <= 0 or not 0 < compute_efficiency <= 1:
@@ -92,6 +96,7 @@ def estimate_profile(model: ModelSource, batch: object, *, peak_flops_per_s: flo
                          f"{peak_flops_per_s} and {compute_efficiency}")
     if precision != "32-true" and precision not in MIXED_PRECISION_DTYPES:
         raise ValueError(f"precision {precision!r}: dry runs support '32-true' and {list(MIXED_PRECISION_DTYPES)}")
+    sharded = sharded_precision(precision, reduce_dtype)  # raises for what the strategy refuses (16-mixed)
     mode = fake_mode()
     module = build_fake_module(model, mode)
     trainable = [p for p in module.parameters() if p.requires_grad]
@@ -108,32 +113,40 @@ def estimate_profile(model: ModelSource, batch: object, *, peak_flops_per_s: flo
         peak, rises = activation_peak(module, run_loss, [*specs, *(part for s in specs for part in s.parts)])
         single = max(sum(step.saved_bytes.values()), peak)
         doubled = activation_bytes_of(module, specs, step_runner(module, doubled_batch(inputs, micro_batch), precision))
+        nested = [*specs, *(part for s in specs for part in s.parts)] if with_parts else specs
+        gathered = (sharded_saved_bytes(module, nested, run_loss, sharded.gather_dtype)
+                    if sharded.gather_dtype is not None else None)
     # NOTE: the cost model scales activations with the micro-batch. Bytes that do not grow with it
-    # (autocast's low-precision weight copies, position embeddings) are fixed bytes instead.
+    # (position embeddings) are fixed bytes instead; autocast's low-precision copies of parameters
+    # do not grow either, but they are the units' (``cast_param_bytes``, which the cost model does
+    # not scale) and backward frees them before the optimizer step.
     per_batch_bytes = min(max(doubled - single, 0), single)
+    copies = min(sum(step.cast_bytes.values()), single - per_batch_bytes)
     seconds_per_flop = 1.0 / (peak_flops_per_s * compute_efficiency)
     elem = trainable[0].element_size()
-    units = _unit_profiles(module, specs, step, seconds_per_flop, elem, tuple(split_factors), rises, with_parts)
+    units = _unit_profiles(module, specs, step, seconds_per_flop, elem, tuple(split_factors), rises, with_parts,
+                           gathered)
     optimizer = configured_optimizer(module)
     if optimizer_bytes_per_param is None:  # NOTE: without an optimizer, Adam's two states
         optimizer_bytes_per_param = (optimizer_state_bytes_per_param(optimizer, trainable[0].dtype)
                                      if optimizer is not None else 2 * elem)
     step_bytes = 0 if optimizer is None else optimizer_step_bytes(
         optimizer, optimizer_device or torch.device("cpu"), optimizer_foreach)
-    return ModelProfile(
+    return with_precision(ModelProfile(
         units=units, micro_batch_size=micro_batch, param_bytes_per_element=elem,
         grad_bytes_per_element=elem, compute_bytes_per_element=elem, reduce_bytes_per_element=elem,
-        optimizer_bytes_per_param=optimizer_bytes_per_param, activation_bytes=per_batch_bytes,
-        fixed_bytes=tensor_bytes(batch) + single - per_batch_bytes,
+        optimizer_bytes_per_param=optimizer_bytes_per_param, activation_bytes=per_batch_bytes + copies,
+        fixed_bytes=tensor_bytes(batch) + single - per_batch_bytes - copies,
         step_s=(sum(step.forward_flops.values()) + sum(step.backward_flops.values())) * seconds_per_flop,
-        profile_s=time.perf_counter() - start, optimizer_step_bytes=step_bytes)
+        profile_s=time.perf_counter() - start, optimizer_step_bytes=step_bytes), sharded)
 
 
 def _unit_profiles(module: nn.Module, specs: Sequence[UnitSpec], step: FakeStep, seconds_per_flop: float,
-                   elem: int, split_factors: tuple[int, ...], rises: dict[str, int], with_parts: bool
-                   ) -> tuple[UnitProfile, ...]:
+                   elem: int, split_factors: tuple[int, ...], rises: dict[str, int], with_parts: bool,
+                   gathered: dict[str, int] | None = None) -> tuple[UnitProfile, ...]:
     """Units in execution order (never-called units go to the root, as in the measured profile);
-    ``with_parts``: each block with its parts, as the measured profile has them."""
+    ``with_parts``: each block with its parts, as the measured profile has them; ``gathered``: the
+    bytes each unit saved with every unit run as FSDP2 gathering in bf16 (``None``: not measured)."""
     by_name = {s.name: s for s in specs}
     called = [by_name[name] for name in step.order if name in by_name]
     parts = {s.name: [p for p in s.parts if p.name in step.order] if with_parts else [] for s in called}
@@ -145,8 +158,7 @@ def _unit_profiles(module: nn.Module, specs: Sequence[UnitSpec], step: FakeStep,
         if spec.name == ROOT:  # FLOPs and bytes of units that never ran belong to the root
             flops = (flops[0] + sum(f for n, f in step.forward_flops.items() if n not in owned),
                      flops[1] + sum(f for n, f in step.backward_flops.items() if n not in owned))
-        saved = step.saved_bytes.get(spec.name, 0) + (
-            sum(b for n, b in step.saved_bytes.items() if n not in owned) if spec.name == ROOT else 0)
+        saved, cast = (_own_bytes(by_unit, spec.name, owned) for by_unit in (step.saved_bytes, step.cast_bytes))
         overheads = ()
         if shape is not None:
             out_bytes = step.output_numel.get(spec.name, 0) * elem
@@ -158,9 +170,16 @@ def _unit_profiles(module: nn.Module, specs: Sequence[UnitSpec], step: FakeStep,
             activation_bytes=saved, input_bytes=step.input_bytes.get(spec.name, 0), split_overhead_s=overheads,
             interleaved=spec.name in step.interleaved,
             backward_rise_bytes=rises.get(spec.name),
-            tail_activation_bytes=step.root_tail_bytes if spec.name == ROOT else 0)
+            tail_activation_bytes=step.root_tail_bytes if spec.name == ROOT else 0, cast_param_bytes=cast,
+            sharded_activation_bytes=None if gathered is None else _own_bytes(gathered, spec.name, owned))
     blocks = [with_measured_parts(unit(s), [unit(p) for p in parts[s.name]], step.order) for s in called]
     return (*blocks, unit(UnitSpec(ROOT, (ROOT,))))
+
+
+def _own_bytes(by_unit: dict[str, int], name: str, owned: Mapping[str, object]) -> int:
+    """A unit's bytes of ``by_unit``; the root's with those of units that never ran."""
+    own = by_unit.get(name, 0)
+    return own + sum(b for n, b in by_unit.items() if n not in owned) if name == ROOT else own
 
 
 def _split_overhead_s(k: int, output_bytes: int, seconds_per_flop: float) -> float:

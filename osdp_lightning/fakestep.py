@@ -222,6 +222,8 @@ class FakeStep:
     backward_flops: dict[str, int]
     interleaved: frozenset[str] = frozenset()
     root_tail_bytes: int = 0
+    cast_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Of ``saved_bytes``, autocast's low-precision copies of parameters (:class:`StepRecorder`)."""
 
 
 def run_fake_step(module: nn.Module, specs: Sequence[UnitSpec], run_loss: Callable[[], torch.Tensor]) -> FakeStep:
@@ -236,7 +238,7 @@ def run_fake_step(module: nn.Module, specs: Sequence[UnitSpec], run_loss: Callab
                 loss.backward()
     forward = _unit_flops(module, specs, forward_counts)
     return FakeStep(recorder.order, recorder.saved_bytes, recorder.input_bytes, recorder.output_numel, forward,
-                    backward.flops, frozenset(recorder.interleaved), recorder.root_tail_bytes)
+                    backward.flops, frozenset(recorder.interleaved), recorder.root_tail_bytes, dict(recorder.cast_bytes))
 
 
 class _BackwardFlops:

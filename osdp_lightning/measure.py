@@ -28,7 +28,8 @@ from osdp_lightning.profile import (
     measure_units,
     tensor_bytes,
 )
-from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS, ROOT, select_units
+from osdp_lightning.recorder import sharded_saved_bytes
+from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS, ROOT, UnitSpec, select_units
 
 
 def profile_lightning_module(module: nn.Module, batch: object | None = None, *,
@@ -38,13 +39,15 @@ def profile_lightning_module(module: nn.Module, batch: object | None = None, *,
                              min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS,
                              optimizer: torch.optim.Optimizer | None = None,
                              step_context: StepContext = contextlib.nullcontext,
-                             repeats: int = 3, check_checkpointing: bool = True) -> ModelProfile:
+                             repeats: int = 3, check_checkpointing: bool = True,
+                             gather_dtype: torch.dtype | None = None) -> ModelProfile:
     """Profile a LightningModule's real training computation on ``batch``.
 
     Runs ``training_step(batch, 0)`` plus backward; with ``batch=None`` runs
     ``forward(example_input_array)`` and backpropagates the sum of its output.
     ``check_checkpointing``: also run it with the units checkpointed and record, per unit, why one
-    cannot be (:func:`with_checkpoint_refusals`).
+    cannot be (:func:`with_checkpoint_refusals`). ``gather_dtype``: also run it once as FSDP2 runs
+    units that gather in that dtype (``bf16-mixed``), for what they save (:func:`with_sharded_activations`).
     """
     start = time.perf_counter()
     if not any(p.requires_grad for p in module.parameters()):
@@ -57,6 +60,8 @@ def profile_lightning_module(module: nn.Module, batch: object | None = None, *,
         units, activation_bytes, step_s = measure_units(module, specs, run_loss, device, repeats)
         if check_checkpointing:
             units = with_checkpoint_refusals(module, units, run_loss)
+        if gather_dtype is not None:
+            units = with_sharded_activations(module, specs, units, run_loss, gather_dtype)
     dtype = next(p for p in module.parameters() if p.requires_grad).dtype
     elem = torch.empty((), dtype=dtype).element_size()
     inputs = batch if batch is not None else getattr(module, "example_input_array", None)
@@ -86,6 +91,22 @@ def with_checkpoint_refusals(root: nn.Module, units: Sequence[UnitProfile], run_
         return dataclasses.replace(unit, checkpoint_refusal=refused.get(unit.name, ""),
                                    parts=tuple(with_refusal(p) for p in unit.parts))
     return [with_refusal(u) for u in units]
+
+
+def with_sharded_activations(root: nn.Module, specs: Sequence[UnitSpec], units: Sequence[UnitProfile],
+                             run_loss: Callable[[], torch.Tensor], dtype: torch.dtype) -> list[UnitProfile]:
+    """``units`` with :attr:`UnitProfile.sharded_activation_bytes` measured in one step with every
+    unit gathered in ``dtype`` (:func:`osdp_lightning.recorder.sharded_saved_bytes`); a block's
+    include its parts'."""
+    nested = [*specs, *(part for s in specs for part in s.parts)]
+    with preserved_state(root):
+        saved = sharded_saved_bytes(root, nested, run_loss, dtype)
+    totals = {s.name: saved.get(s.name, 0) + sum(saved.get(p.name, 0) for p in s.parts) for s in specs}
+
+    def measured(unit: UnitProfile) -> UnitProfile:
+        own = totals.get(unit.name, saved.get(unit.name, 0))
+        return dataclasses.replace(unit, sharded_activation_bytes=own, parts=tuple(measured(p) for p in unit.parts))
+    return [measured(u) for u in units]
 
 
 def measure_choice_overheads(module: nn.Module, batch: object | None, profile: ModelProfile, options: ChoiceOptions,

@@ -1,4 +1,4 @@
-"""profile -> cost -> solve -> plan: the planning path the strategy takes, in one place.
+"""Profiling for planning: the whole model, or from shapes (:class:`osdp_lightning.planner.Planner` solves).
 
 Two ways to profile a model (both give a :class:`~osdp_lightning.profile.ModelProfile`):
 
@@ -23,20 +23,17 @@ import torch
 from torch import nn
 
 from osdp_lightning.budget import MemoryBudget, format_budget, format_bytes
-from osdp_lightning.choices import Choice, ChoiceOptions, choice_space
-from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.choices import ChoiceOptions
 from osdp_lightning.fakestep import MIXED_PRECISION_DTYPES, FakeStepError
 from osdp_lightning.measure import measure_choice_overheads, profile_lightning_module
 from osdp_lightning.optim_state import configured_optimizer, optimizer_state_bytes_per_param
-from osdp_lightning.plan import Plan, baseline_peak_bytes, make_plan
+from osdp_lightning.precision import sharded_precision, with_precision
 from osdp_lightning.profile import ModelProfile
 from osdp_lightning.unitbench import profile_from_shapes
 from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS, select_units
 
 WHOLE_PROFILE_WEIGHT_COPIES = 3
 """Copies of the weights the whole-model profile holds at once (model, saved state, gradients)."""
-AUTO_BATCH_FACTORS = (0.25, 0.5, 1, 2, 4, 8)
-"""``micro_batch_size="auto"`` tries the profiled size times each of these."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +48,10 @@ class ProfileOptions:
     """Measure the overhead of splitting Linear units by these (``()``: no split choices)."""
     check_checkpointing: bool = True
     precision: str = "32-true"
-    """Lightning's ``precision`` flag (the fake step of a profile from shapes needs it)."""
+    """Lightning's ``precision`` flag (the fake step of a profile from shapes needs it; sharded units
+    are priced as it runs them: :mod:`osdp_lightning.precision`)."""
+    reduce_dtype: str = "float32"
+    """Under ``bf16-mixed``, the dtype sharded units reduce their gradients in."""
 
 
 def weight_bytes(module: nn.Module, names: Sequence[str] = ("",)) -> int:
@@ -104,7 +104,9 @@ def profile_model(module: nn.Module, batch: object, device: torch.device, option
                   whole: bool, optimizer: torch.optim.Optimizer | None = None,
                   step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
                   ) -> ModelProfile:
-    """The profile of ``module`` training on ``batch``: whole on ``device``, or from shapes."""
+    """The profile of ``module`` training on ``batch``: whole on ``device``, or from shapes; priced
+    for sharded units that run as ``options.precision`` runs them (``16-mixed``: refused)."""
+    sharded = sharded_precision(options.precision, options.reduce_dtype)
     units = dict(unit_module_types=options.unit_module_types, unit_name_patterns=options.unit_name_patterns,
                  min_unit_params=options.min_unit_params)
     if not whole:
@@ -112,19 +114,19 @@ def profile_model(module: nn.Module, batch: object, device: torch.device, option
         # needs a precision only for autocast.
         precision = options.precision if options.precision in MIXED_PRECISION_DTYPES else "32-true"
         try:
-            return profile_from_shapes(module, batch, device, precision=precision, step_context=step_context,
-                                       split_factors=options.split_factors,
-                                       check_checkpointing=options.check_checkpointing, repeats=options.repeats,
-                                       **units)
+            return with_precision(profile_from_shapes(
+                module, batch, device, precision=precision, step_context=step_context,
+                split_factors=options.split_factors, check_checkpointing=options.check_checkpointing,
+                repeats=options.repeats, **units), sharded)
         except FakeStepError as err:
             raise FakeStepError(_cannot_plan_from_shapes(module, err)) from err
     profile = profile_lightning_module(module, batch, optimizer=optimizer, step_context=step_context,
                                        repeats=options.repeats, check_checkpointing=options.check_checkpointing,
-                                       **units)
+                                       gather_dtype=sharded.gather_dtype, **units)
     if options.split_factors:
         profile = measure_choice_overheads(module, batch, profile, ChoiceOptions(split_factors=options.split_factors),
                                            step_context)
-    return profile
+    return with_precision(profile, sharded)
 
 
 def _cannot_plan_from_shapes(module: nn.Module, err: FakeStepError) -> str:
@@ -135,41 +137,3 @@ def _cannot_plan_from_shapes(module: nn.Module, err: FakeStepError) -> str:
             f"Build it eagerly with memory_budget='{format_budget(whole)}' or more (osdp then profiles the whole "
             "model for real), or make that operation independent of tensor values (e.g. pass is_causal=True "
             "instead of a mask that is inspected)")
-
-
-@dataclasses.dataclass(frozen=True)
-class SolveOptions:
-    choice_options: ChoiceOptions
-    uniform_choice: Choice | str | None = None
-    micro_batch_size: int | str | None = None
-    """See :func:`batch_candidates`; ``"auto"`` keeps the fastest of several sizes."""
-    time_limit_s: float | None = 60.0
-    accumulation_steps: int = 1
-
-
-def resolved_cluster(profile: ModelProfile, cluster_for: Callable[[int | None], ClusterSpec],
-                     budget: MemoryBudget | None) -> tuple[ClusterSpec, int | None]:
-    """The cluster with its budget in bytes, and the baseline peak a share budget was taken of."""
-    cluster = cluster_for(None)
-    if budget is None or not budget.needs_profile:
-        return cluster, None
-    assert budget.baseline is not None
-    baseline_peak = baseline_peak_bytes(profile, cluster, budget.baseline)
-    return cluster_for(budget.of_peak(baseline_peak)), baseline_peak
-
-
-def batch_candidates(profile: ModelProfile, micro_batch_size: int | str | None) -> tuple[int, ...] | None:
-    """Micro-batch sizes to plan for: ``None`` (the profiled one), ``"auto"`` (several), or one."""
-    if micro_batch_size is None:
-        return None
-    if micro_batch_size == "auto":
-        return tuple(sorted({max(1, int(profile.micro_batch_size * f)) for f in AUTO_BATCH_FACTORS}))
-    return (int(micro_batch_size),)
-
-
-def solve_plan(profile: ModelProfile, cluster: ClusterSpec, options: SolveOptions) -> Plan:
-    """The plan for ``profile`` on ``cluster`` (raises ``InfeasibleBudgetError`` when nothing fits)."""
-    candidates = batch_candidates(profile, options.micro_batch_size)
-    return make_plan(profile, cluster, uniform_choice=options.uniform_choice, micro_batch_sizes=candidates,
-                     choices=choice_space(cluster, options.choice_options), time_limit_s=options.time_limit_s,
-                     accumulation_steps=options.accumulation_steps)

@@ -121,6 +121,11 @@ class Plan:
     headroom_bytes: int = 0
     """Bytes of the budget the plan was solved to leave free, and the rule that set them:"""
     headroom_reason: str = ""
+    param_dtype: str = ""
+    """The dtype its sharded units gather in and the dtype they reduce gradients in, as priced and as
+    applied (FSDP2's ``MixedPrecisionPolicy``; ``bf16-mixed``: ``"bfloat16"``, ``"float32"``);
+    ``""``: the parameters' own dtype (:mod:`osdp_lightning.precision`)."""
+    reduce_dtype: str = ""
 
     def choice_of(self, unit_name: str) -> str:
         return next(u.choice for u in self.units if u.name == unit_name)
@@ -205,7 +210,9 @@ class Plan:
             f"overhead {self.predicted_overhead_s:.4f} + exposed communication {self.predicted_exposed_comm_s:.4f} "
             f"+ loop {self.predicted_loop_s:.4f} s (terms: {self.step_terms_source or 'none'})",
             f"collectives: latency {1e6 * self.collective_latency_s:.0f} us, bandwidth "
-            f"{self.bandwidth_bytes_per_s / 1e9:.2f} GB/s, overlap efficiency {self.overlap_efficiency:.2f}",
+            f"{self.bandwidth_bytes_per_s / 1e9:.2f} GB/s, overlap efficiency {self.overlap_efficiency:.2f}"
+            + (f"; sharded units gather {self.param_dtype or 'as stored'}, reduce {self.reduce_dtype or 'as computed'}"
+               if self.param_dtype or self.reduce_dtype else ""),
             f"solver: {self.solver_status}" + (f" (gap {self.gap:.2%})" if self.gap else "")
             + f", solve {self.solve_s:.3f} s, profile {self.profile_s:.3f} s, source {self.source}",
         ]
@@ -418,7 +425,8 @@ def assemble_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpe
         predicted_overhead_s=sum(u.overhead_s for u in units), predicted_exposed_comm_s=sum(u.comm_s for u in units),
         predicted_loop_s=table.fixed_step_s,
         step_terms_source=cluster.step_terms.source if cluster.step_terms is not None else "",
-        headroom_bytes=cluster.headroom_for(cluster.memory_budget_bytes), headroom_reason=cluster.headroom_reason)
+        headroom_bytes=cluster.headroom_for(cluster.memory_budget_bytes), headroom_reason=cluster.headroom_reason,
+        param_dtype=profile.param_dtype, reduce_dtype=profile.reduce_dtype)
 
 
 def uniform_baselines(table: ChoiceTable, cluster: ClusterSpec) -> tuple[BaselinePrediction, ...]:

@@ -74,6 +74,22 @@ class UnitProfile:
     checkpoint_refusal: str = ""
     """Why it cannot be checkpointed: the error its checkpointed forward and backward raised when
     profiled (its recomputation did not replay its forward); ``''``: it replayed, or was not tried."""
+    cast_param_bytes: int = 0
+    """Of :attr:`activation_bytes`, autocast's low-precision copies of parameters saved for backward
+    (``bf16-mixed``: 2 bytes per Linear weight). They do not grow with the micro-batch, and a unit
+    whose parameters FSDP2 gathers in that dtype saves the gathered parameters instead (no copy)."""
+    sharded_activation_bytes: int | None = None
+    """Bytes it saves for backward as FSDP2 runs it gathering in the profile's ``param_dtype``
+    (parameters and inputs cast to bf16 under ``bf16-mixed``: no autocast copies, a bf16 residual
+    stream), measured with every unit so; ``None``: not measured (:attr:`activation_bytes` less the
+    copies)."""
+    param_dtypes: tuple[str, ...] = ()
+    """The dtypes of its trainable parameters (``()``: not recorded). FSDP2 shards a group of one
+    dtype: a unit with several (:attr:`mixed_dtypes`) can only be replicated."""
+
+    @property
+    def mixed_dtypes(self) -> bool:
+        return len(self.param_dtypes) > 1
 
 
 @dataclass(frozen=True)
@@ -88,6 +104,7 @@ class ModelProfile:
     compute_bytes_per_element: int
     """Bytes per element of gathered parameters (as stored; autocast casts after gathering)."""
     reduce_bytes_per_element: int
+    """Bytes per element of gradients as sharded units reduce them (``reduce_dtype``)."""
     optimizer_bytes_per_param: int
     activation_bytes: int
     """All bytes saved for backward in one training step at ``micro_batch_size``."""
@@ -101,6 +118,11 @@ class ModelProfile:
     whole: the price of every plan (an upper bound where units are sharded); 0: not known."""
     profile_s: float = 0.0
     """Wall seconds the profiling took."""
+    param_dtype: str = ""
+    """The dtype sharded units gather their parameters in (FSDP2's ``MixedPrecisionPolicy``, e.g.
+    ``"bfloat16"`` under ``bf16-mixed``: :mod:`osdp_lightning.precision`); ``""``: as stored."""
+    reduce_dtype: str = ""
+    """The dtype sharded units reduce their gradients in; ``""``: as computed."""
 
     @property
     def param_count(self) -> int:
@@ -120,6 +142,7 @@ class _StepSample:
     step_s: float
     interleaved: frozenset[str] = frozenset()
     root_tail_bytes: int = 0
+    cast_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _synchronized_now(device: torch.device) -> float:
@@ -152,7 +175,7 @@ def _measure_step(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
     forward_s = dict(rec.forward_s)
     forward_s[ROOT] = max(forward_end - start - sum(rec.forward_s.values()), 0.0)
     return _StepSample(forward_s, backward_s, dict(rec.saved_bytes), dict(rec.input_bytes), rec.order, end - start,
-                       frozenset(rec.interleaved), rec.root_tail_bytes)
+                       frozenset(rec.interleaved), rec.root_tail_bytes, dict(rec.cast_bytes))
 
 
 def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[], torch.Tensor],
@@ -223,6 +246,9 @@ def with_measured_parts(block: UnitProfile, parts: list[UnitProfile], order: lis
         forward_s=block.forward_s + sum(p.forward_s for p in parts),
         backward_s=block.backward_s + sum(p.backward_s for p in parts),
         activation_bytes=block.activation_bytes + sum(p.activation_bytes for p in parts),
+        cast_param_bytes=block.cast_param_bytes + sum(p.cast_param_bytes for p in parts),
+        sharded_activation_bytes=_sum_known([block.sharded_activation_bytes, *(p.sharded_activation_bytes for p in parts)]),
+        param_dtypes=tuple(sorted({d for u in (block, *parts) for d in u.param_dtypes})),
         tensor_count=block.tensor_count + sum(p.tensor_count for p in parts),
         largest_tensor_count=max([block.largest_tensor_count, *(p.largest_tensor_count for p in parts)]),
         linear_shape=None if parts else block.linear_shape,
@@ -238,7 +264,9 @@ def with_parts(profile: ModelProfile, blocks: Collection[str], into_root: Collec
     all of a unit left to the root, as in hand-written FSDP2 (embeddings and head in the root).
     """
     units, root = [], profile.units[-1]
-    rest = dict(params=0, frozen=0, forward_s=0.0, backward_s=0.0, activation_bytes=0, tensors=0, largest=0)
+    rest = dict(params=0, frozen=0, forward_s=0.0, backward_s=0.0, activation_bytes=0, cast_param_bytes=0, tensors=0,
+                largest=0)
+    dtypes, sharded = set(root.param_dtypes), [root.sharded_activation_bytes]
     for unit in profile.units[:-1]:
         if unit.name in into_root:
             kept: tuple[UnitProfile, ...] = ()
@@ -251,17 +279,22 @@ def with_parts(profile: ModelProfile, blocks: Collection[str], into_root: Collec
         left_out = unit.param_count - sum(p.param_count for p in kept)
         rest["params"] += left_out
         rest["tensors"] += unit.tensor_count - sum(p.tensor_count for p in kept)
-        # NOTE: which of the block's tensors its parts leave out is not recorded: an upper bound.
+        # NOTE: which of the block's tensors its parts leave out is not recorded: upper bounds.
         rest["largest"] = max(rest["largest"], min(unit.largest_tensor_count, left_out))
+        dtypes.update(unit.param_dtypes)
+        kept_sharded = _sum_known([p.sharded_activation_bytes for p in kept])
+        sharded += [unit.sharded_activation_bytes, None if kept_sharded is None else -kept_sharded]
         rest["frozen"] += unit.frozen_param_count - sum(p.frozen_param_count for p in kept)
-        for key in ("forward_s", "backward_s", "activation_bytes"):
+        for key in ("forward_s", "backward_s", "activation_bytes", "cast_param_bytes"):
             rest[key] += getattr(unit, key) - sum(getattr(p, key) for p in kept)
     root = dataclasses.replace(
         root, param_count=root.param_count + rest["params"], frozen_param_count=root.frozen_param_count + rest["frozen"],
         tensor_count=root.tensor_count + rest["tensors"],
         largest_tensor_count=max(root.largest_tensor_count, rest["largest"]),
         forward_s=root.forward_s + rest["forward_s"], backward_s=root.backward_s + rest["backward_s"],
-        activation_bytes=root.activation_bytes + rest["activation_bytes"])
+        activation_bytes=root.activation_bytes + rest["activation_bytes"],
+        cast_param_bytes=root.cast_param_bytes + rest["cast_param_bytes"], param_dtypes=tuple(sorted(dtypes)),
+        sharded_activation_bytes=_sum_known(sharded))
     return dataclasses.replace(profile, units=(*units, root))
 
 
@@ -276,6 +309,11 @@ def with_units(profile: ModelProfile, names: Collection[str]) -> ModelProfile:
         raise ValueError(f"no unit set of this profile has the units {sorted(named)}; its units: "
                          f"{[u.name for u in profile.units]} (parts: {[p.name for u in profile.units for p in u.parts]})")
     return regrouped
+
+
+def _sum_known(values: list[int | None]) -> int | None:
+    """The sum, or ``None`` when any is not known."""
+    return None if any(v is None for v in values) else sum(values)  # type: ignore[arg-type]
 
 
 class _NoHook:
@@ -360,7 +398,8 @@ def _unit_profile(name: str, module_names: tuple[str, ...], params: list[nn.Para
         activation_bytes=samples[0].saved_bytes.get(name, 0), input_bytes=samples[0].input_bytes.get(name, 0),
         interleaved=name in samples[0].interleaved, backward_rise_bytes=max(measured) if measured else None,
         leaf_backward_rise_bytes=max(leaves) if leaves else None,
-        tail_activation_bytes=samples[0].root_tail_bytes if name == ROOT else 0)
+        tail_activation_bytes=samples[0].root_tail_bytes if name == ROOT else 0,
+        cast_param_bytes=samples[0].cast_bytes.get(name, 0))
 
 
 def _is_layer_within(root: nn.Module, name: str, module_names: tuple[str, ...]) -> bool:
@@ -384,8 +423,10 @@ def assemble_unit(root: nn.Module, name: str, module_names: tuple[str, ...], par
                   forward_s: float, backward_s: float, activation_bytes: int, input_bytes: int,
                   split_overhead_s: tuple[tuple[int, float], ...] = (), interleaved: bool = False,
                   backward_rise_bytes: int | None = None, leaf_backward_rise_bytes: int | None = None,
-                  tail_activation_bytes: int = 0) -> UnitProfile:
+                  tail_activation_bytes: int = 0, cast_param_bytes: int = 0,
+                  sharded_activation_bytes: int | None = None) -> UnitProfile:
     """One unit's profile from its parameters and its figures (measured or estimated)."""
+    dtypes = tuple(sorted({str(p.dtype).removeprefix("torch.") for p in params if p.requires_grad}))
     return UnitProfile(
         name=name, module_names=module_names,
         param_count=sum(p.numel() for p in params if p.requires_grad),
@@ -395,7 +436,8 @@ def assemble_unit(root: nn.Module, name: str, module_names: tuple[str, ...], par
         tensor_count=sum(1 for p in params if p.requires_grad),
         largest_tensor_count=max((p.numel() for p in params if p.requires_grad), default=0),
         interleaved=interleaved, backward_rise_bytes=backward_rise_bytes,
-        leaf_backward_rise_bytes=leaf_backward_rise_bytes, tail_activation_bytes=tail_activation_bytes)
+        leaf_backward_rise_bytes=leaf_backward_rise_bytes, tail_activation_bytes=tail_activation_bytes,
+        cast_param_bytes=cast_param_bytes, param_dtypes=dtypes, sharded_activation_bytes=sharded_activation_bytes)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
-"""What the strategy reads from the user and the Trainer before planning: its options, checked
-when it is built; the micro-batch size where the module or its DataModule keeps it; the first
-training batch, taken so that the loader starts its epoch as it would under DDP."""
+"""What the strategy reads from the Trainer before planning: the micro-batch size where the module
+or its DataModule keeps it; the first training batch, taken so that the loader starts its epoch as
+it would under DDP. (Its options are checked in :mod:`osdp_lightning.config`.)"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -12,43 +12,6 @@ import torch
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
-
-from osdp_lightning.budget import parse_bytes
-from osdp_lightning.choices import ALIASES, known_names, resolve
-
-
-def check_micro_batch_size(value: Any) -> int | str | None:
-    if value is None or value == "auto":
-        return value
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    raise ValueError(f"micro_batch_size must be a positive int, 'auto' or None; got {value!r}")
-
-
-def check_uniform_choice(value: str | None) -> str | None:
-    if value is None:
-        return None
-    try:
-        return str(resolve(value))
-    except ValueError:
-        raise ValueError(f"uniform_choice {value!r} is not one of {known_names()} or the aliases "
-                         f"{list(ALIASES)}") from None
-
-
-def check_headroom(value: float | int | str | None) -> float | int | str | None:
-    """A share of the budget (a float below 1), bytes (an int or ``"256MiB"``), or None (the default)."""
-    if value is None or (isinstance(value, float) and 0 <= value < 1) or value in (0, "0"):
-        return value
-    parse_bytes(value)  # raises, naming the accepted forms
-    return value
-
-
-def check_split_factors(factors: Sequence[int]) -> tuple[int, ...]:
-    factors = tuple(factors or ())
-    bad = [k for k in factors if not isinstance(k, int) or k < 2]
-    if bad:
-        raise ValueError(f"split_factors must be integers >= 2 (or () to turn splitting off); got {bad}")
-    return factors
 
 
 def _batch_size_owner(trainer: pl.Trainer, module: pl.LightningModule) -> bool:

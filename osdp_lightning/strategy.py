@@ -1,185 +1,75 @@
 """Lightning glue: ``Trainer(strategy="osdp")``.
 
-At ``setup`` (after the process group exists, before the optimizer is built) the strategy:
-
-1. times a few collectives on the live process group (every rank; rank 0's figures broadcast);
-2. on rank 0: profiles the real ``training_step`` on one real batch, builds the choice table and
-   solves the ILP; the Plan (or the error) is broadcast so that every rank applies the same one;
-3. applies the plan with FSDP2 and lets Lightning build the optimizer on the sharded parameters.
+At ``setup`` (after the process group exists, before the optimizer is built) the strategy hands
+the shared setup (:mod:`osdp_lightning.setup_core`) what only the Trainer knows: the first
+training batch, the module's ``training_step`` and ``configure_optimizers``, the precision plugin's
+step context and ``accumulate_grad_batches``. The core calibrates, plans on rank 0, broadcasts the
+plan and applies it; the strategy then lets Lightning build the optimizer on the sharded
+parameters. Checkpoints hold the unwrapped LightningModule's keys (:mod:`osdp_lightning.checkpoint`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import nn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from osdp_lightning import checkpoint as checkpoint_io
 from osdp_lightning.accumulate import check_accumulation, no_gradient_sync
-from osdp_lightning.apply import Meshes, apply_plan, build_meshes, connect_plan, step_groups_apart
-from osdp_lightning.budget import (
-    default_memory_budget,
-    device_memory_bytes,
-    format_bytes,
-    parse_memory_budget,
-    plan_headroom,
-)
-from osdp_lightning.calibrate import (
-    CollectiveTimings,
-    calibrate_step_terms,
-    measure_collectives,
-    measure_one_process_terms,
-)
-from osdp_lightning.choices import ChoiceOptions, choice_space
-from osdp_lightning.choices.checkpointing import refusal_message
+from osdp_lightning.apply import step_groups_apart
+from osdp_lightning.calibrate import CollectiveTimings
 from osdp_lightning.clip import with_sharded_clipping
-from osdp_lightning.cluster import ClusterSpec, NodeTimings, live_cluster_spec, measure_node_collectives
-from osdp_lightning.fakestep import build_meta_module
-from osdp_lightning.faults import all_ranks_succeed, init_elastic_process_group, portable_error
+from osdp_lightning.cluster import ClusterSpec
+from osdp_lightning.config import OSDPConfig
+from osdp_lightning.faults import init_elastic_process_group
 from osdp_lightning.guards import preserved_rng
-from osdp_lightning.materialize import has_meta_tensors, materialize
+from osdp_lightning.lightning_compat import TrainerScriptLauncher, default_pg_timeout, optimizers_to_device
 from osdp_lightning.optim_state import configured_optimizer
-from osdp_lightning.pipeline import (
-    ProfileOptions,
-    SolveOptions,
-    budget_floor_bytes,
-    check_setup_fits,
-    profile_model,
-    resolved_cluster,
-    solve_plan,
-    whole_profile_fits,
-)
 from osdp_lightning.plan import Plan
-from osdp_lightning.pretrained import PretrainedWeights, load_pretrained
+from osdp_lightning.precision import sharded_precision
 from osdp_lightning.profile import ModelProfile, is_profiling
 from osdp_lightning.report import format_comparison, log_plan
-from osdp_lightning.setup_inputs import (
-    check_headroom,
-    check_micro_batch_size,
-    check_split_factors,
-    check_uniform_choice,
-    current_batch_size,
-    first_training_batch,
-    set_batch_size,
-)
+from osdp_lightning.setup_core import ConfigOptions, OSDPSetup, Ranks, RootWrapper, StepInputs
+from osdp_lightning.setup_inputs import current_batch_size, first_training_batch, set_batch_size
 from osdp_lightning.shutdown import release_at_exit
-from osdp_lightning.step_terms import StepTerms, default_loop_step_s
-from osdp_lightning.units import DEFAULT_MIN_UNIT_PARAMS
+
+__all__ = ["OSDPStrategy", "RootWrapper"]
 
 
-class RootWrapper(nn.Module):
-    """The outermost module. FSDP2 makes it the root, so its hooks run around ``training_step``
-    (Lightning redirects ``*_step`` calls through the wrapper's forward)."""
-
-    def __init__(self, module: pl.LightningModule) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
-
-
-class OSDPStrategy(ModelParallelStrategy):
+class OSDPStrategy(ConfigOptions, ModelParallelStrategy):
     """Optimal Sharded Data Parallel: per-module replicate / zero2 / zero3 / split, chosen by an ILP
     under a per-rank memory budget and applied with FSDP2.
 
     Args:
-        memory_budget: Per-rank budget: bytes (an int, or ``"6GiB"``), a share of the device
-            (``"70%"``), or a share of a baseline's predicted peak (``"95%ddp"``, ``"120%zero3"``,
-            resolved after profiling); see :mod:`osdp_lightning.budget`. Default: the device's
-            memory minus 8% on CUDA (``"92%"``), 80% of RAM shared by the node's ranks on CPU (``"80%"``).
-        plan: A :class:`Plan` or a path to a saved plan JSON; skips profiling and solving.
-        micro_batch_size: ``None`` keeps the user's; an int sets the module's or datamodule's
-            ``batch_size``; ``"auto"`` searches sizes for the highest predicted throughput.
-        uniform_choice: Give every unit this choice instead of solving (baselines: ``"ddp"`` /
-            ``"replicate"``, ``"zero2"``, ``"zero3"``).
-        split_factors: Slice counts the ILP may split Linear layers into; ``()`` turns it off.
-        activation_checkpointing: ``"auto"``: the ILP decides per unit whether to recompute its
-            activations in backward (``zero3+ckpt``); ``"never"``; ``"always"``: every unit that
-            can be: a unit whose recomputation does not replay its forward (found while profiling)
-            keeps its choice without ``+ckpt``, with a warning before training naming it and why.
-        unit_module_types / unit_name_patterns: Which modules are units (default: leaf modules
-            with at least ``min_unit_params`` parameters).
-        overlap_efficiency: Share of communication hidden by compute. Default: measured at setup on
-            CUDA; 0 on CPU (gloo competes with compute for the same cores).
-        solver_time_limit_s: Stop the ILP after this long and use the best plan found (the plan
-            says "Time limit" and gives the gap); ``None`` always proves the optimum. Small
-            models solve to optimality in well under a second, 1,000-2,000 units in seconds
-            with HiGHS (the default); CBC (used without ``highspy``) can take minutes there.
-        headroom: Part of the budget plans keep free for what the memory model misses: a share
-            (``0.05``) or bytes (``"256MiB"``). Default: 2.5% on CPU (over a point above the model's
-            largest measured miss), 4% with more ranks than cores, on CUDA 4% plus the allocator's
-            fragmentation measured while profiling (:func:`osdp_lightning.budget.plan_headroom`).
-        calibration_cache: Reuse the step-time terms measured earlier on this machine: the median of
-            its last five calibrations (``$OSDP_LIGHTNING_CALIBRATION_DRAWS`` to change how many); the
-            first launches each measure and add theirs (``~/.cache/osdp_lightning``, or
-            ``$OSDP_LIGHTNING_CACHE_DIR``; one file per process group and optimizer); ``False`` measures anew.
+        config: The options (:class:`~osdp_lightning.config.OSDPConfig`: budget, plan, choices,
+            units, profiling, solver, headroom, pretrained weights); default: every field's default.
+        **options: Fields of :class:`~osdp_lightning.config.OSDPConfig` that replace the config's
+            (``OSDPStrategy(memory_budget="6GiB", split_factors=())``).
         save_distributed_checkpoint: Sharded (default) or one consolidated checkpoint file.
-        pretrained: Weights to start from, loaded once the plan is applied: a Hugging Face model
-            directory, a ``.safetensors`` file or a ``torch.save`` state dict, or a
-            :class:`~osdp_lightning.pretrained.PretrainedWeights` (key prefix, ``strict``). Each rank
-            reads only the tensors and rows it keeps; names and shapes must match (strict).
+        process_group_backend / timeout: As Lightning's ``ModelParallelStrategy``.
     """
 
     strategy_name = "osdp"
     # NOTE: FSDPStrategy keeps this list at class level and checks it for a GPU; ours is separate.
     _registered_strategies: list[str] = []
 
-    def __init__(self, memory_budget: int | str | None = None, plan: Plan | str | Path | None = None,
-                 micro_batch_size: int | Literal["auto"] | None = None, uniform_choice: str | None = None,
-                 split_factors: Sequence[int] = (2, 4, 8),
-                 activation_checkpointing: Literal["auto", "never", "always"] = "auto",
-                 unit_module_types: Sequence[str | type] | None = None,
-                 unit_name_patterns: Sequence[str] | None = None,
-                 min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS, profile_repeats: int = 3,
-                 overlap_efficiency: float | None = None, solver_time_limit_s: float | None = 60.0,
-                 headroom: float | int | str | None = None, calibration_cache: bool = True,
-                 save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout,
-                 pretrained: str | Path | PretrainedWeights | None = None) -> None:
+    def __init__(self, config: OSDPConfig | None = None, *, save_distributed_checkpoint: bool = True,
+                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+                 **options: Any) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self.memory_budget = parse_memory_budget(memory_budget) if memory_budget is not None else None
-        self.memory_budget_bytes = self.memory_budget.bytes if self.memory_budget is not None else None
-        self._plan_source = plan if isinstance(plan, Plan) else (Plan.load(plan) if plan is not None else None)
-        self.micro_batch_size = check_micro_batch_size(micro_batch_size)
-        self.uniform_choice = check_uniform_choice(uniform_choice)
-        self.split_factors = check_split_factors(split_factors)
-        self.choice_options = ChoiceOptions(split_factors=self.split_factors,
-                                            activation_checkpointing=activation_checkpointing)
-        choice_space(ClusterSpec(2, 1, 0.0, 1.0), self.choice_options)  # a bad option fails here, not at setup
-        self.unit_module_types, self.unit_name_patterns = unit_module_types, unit_name_patterns
-        self.min_unit_params, self.profile_repeats = min_unit_params, profile_repeats
-        self.overlap_efficiency, self.solver_time_limit_s = overlap_efficiency, solver_time_limit_s
-        self.headroom, self.calibration_cache = check_headroom(headroom), calibration_cache
-        self._step_terms: StepTerms | None = None
-        self._fragmentation: float | None = None
-        self._plan: Plan | None = None
-        self._profile_whole = True
-        self._profile: ModelProfile | None = None
-        self._timings: CollectiveTimings | None = None
-        self._node_timings: NodeTimings | None = None
-        self._meshes: Meshes | None = None
+        self.config = (config or OSDPConfig()).with_options(**options)
+        self._core: OSDPSetup | None = None
         self._root: RootWrapper | None = None
-        self.pretrained = PretrainedWeights(str(pretrained)) if isinstance(pretrained, (str, Path)) else pretrained
-        self.setup_s: dict[str, float] = {}
-        """Seconds spent at setup: calibrate, profile, solve, apply (rank 0's figures)."""
 
     @classmethod
     @override
@@ -197,6 +87,11 @@ class OSDPStrategy(ModelParallelStrategy):
         return self._plan
 
     @property
+    def _plan(self) -> Plan | None:
+        """The plan, or ``None`` before setup (what the training summary reads of any strategy)."""
+        return self._core.plan if self._core is not None else None
+
+    @property
     def profiling(self) -> bool:
         """``True`` while the strategy runs ``training_step`` to measure it, not to train (see README)."""
         return is_profiling()
@@ -204,13 +99,32 @@ class OSDPStrategy(ModelParallelStrategy):
     @property
     def profile(self) -> ModelProfile | None:
         """The measured profile (``None`` when the plan was given)."""
-        return self._profile
+        return self._core.profile if self._core is not None else None
+
+    @property
+    def profiled_whole(self) -> bool:
+        """Whether setup profiled the whole model (``False``: from shapes; see the README)."""
+        return self._core.profile_whole if self._core is not None else True
+
+    _profile_whole = profiled_whole
 
     @property
     def timings(self) -> CollectiveTimings:
-        if self._timings is None:
+        if self._core is None or self._core.timings is None:
             raise RuntimeError("collective timings are measured at setup; they are not available yet")
-        return self._timings
+        return self._core.timings
+
+    @property
+    def setup_s(self) -> dict[str, float]:
+        """Seconds spent at setup: calibrate, profile, solve, apply (rank 0's figures)."""
+        return self._core.setup_s if self._core is not None else {}
+
+    def cluster_spec(self, budget: int | None = None) -> ClusterSpec:
+        """The cluster plans are priced on: this run's links, step terms and headroom, at ``budget``
+        bytes per rank (default: the strategy's budget of the device)."""
+        if self._core is None:
+            raise RuntimeError("the osdp cluster spec is measured at setup; it is not available yet")
+        return self._core.cluster_spec(budget)
 
     @property
     @override
@@ -220,7 +134,8 @@ class OSDPStrategy(ModelParallelStrategy):
     def release_process_groups(self) -> None:
         """Drop the strategy's references to what holds process groups (the meshes, the sharded
         root and its reducer); called at interpreter exit (:mod:`osdp_lightning.shutdown`)."""
-        self._meshes = None
+        if self._core is not None:
+            self._core.release_process_groups()
         self._root = None
         self.model = None
 
@@ -231,6 +146,7 @@ class OSDPStrategy(ModelParallelStrategy):
         with no_gradient_sync(self.model):
             yield
 
+    # -- processes ------------------------------------------------------------------------------
     @override
     def _configure_launcher(self) -> None:
         # NOTE: ModelParallelStrategy builds no launcher in a process it did not start (rank 1..,
@@ -240,7 +156,7 @@ class OSDPStrategy(ModelParallelStrategy):
         # than DDP's (GPT 6 x 256, seq 128: 0.91x Lightning ddp). As DDPStrategy: a launcher on
         # every rank, which starts processes only where nothing started them.
         assert self.cluster_environment is not None
-        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launcher = TrainerScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
@@ -259,20 +175,21 @@ class OSDPStrategy(ModelParallelStrategy):
                                    self._timeout)
         super()._setup_distributed()
 
+    # -- setup: plan and apply, then Lightning's optimizers -------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         check_accumulation(trainer.accumulate_grad_batches)  # Lightning's own error, before any collective
+        sharded_precision(str(trainer.precision), self.config.reduce_dtype)  # refused here, on every rank
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if self._root is not None and self._root.module is module:
             self.model = self._root  # a later stage (validate/test after fit): already sharded
         else:
             self.model = self.precision_plugin.convert_module(self.model)
-            # NOTE: a model built on the meta device, or too large to profile whole, is planned from
-            # shapes and never placed whole on the device (pipeline.py): only its shards are.
-            self._profile_whole = self.broadcast(self._can_profile_whole(module))
-            if self._profile_whole:
+            self._core = OSDPSetup(self.config, Ranks(self.root_device, self.world_size, self.num_processes,
+                                                      self.num_nodes, self.global_rank))
+            if self._core.decide_whole_profile(module):
                 self.model_to_device()
             # NOTE: planning and applying draw random numbers on some or all ranks (calibration seeds
             # the generator and fills tensors, profiling runs the user's step with its dropout,
@@ -288,152 +205,38 @@ class OSDPStrategy(ModelParallelStrategy):
         self.precision_plugin = with_sharded_clipping(self.precision_plugin)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _plan_and_apply(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         """Calibrate, profile and solve (or take the given plan), then shard ``module`` by the plan."""
-        self._plan = self._decide_plan(trainer, module)
-        rank_zero_info(f"osdp plan ({self.world_size} ranks):\n{self._plan.format_table()}\n"
-                       f"{format_comparison(self._plan)}")
-        log_plan(trainer, self._plan)
-        apply_start = time.perf_counter()
-        self._meshes = self._meshes or build_meshes(self.root_device.type, self.world_size)
+        assert self._core is not None
+        plan = self._decide_plan(trainer, module)
+        rank_zero_info(f"osdp plan ({self.world_size} ranks):\n{plan.format_table()}\n{format_comparison(plan)}")
+        log_plan(trainer, plan)
         self._root = RootWrapper(module)
-        # NOTE: every rank built the same model, so every rank takes this branch alike (the broadcast
-        # is a collective): the unsharded layout, for initialising, and one seed for every rank's values.
-        template = build_meta_module(module) if has_meta_tensors(module) else None
-        seed = self.broadcast(int(torch.randint(2**62, ()).item())) if template is not None else 0
-        with all_ranks_succeed("applying the osdp plan"):  # no rank waits for a failed one
-            apply_plan(module, self._root, self._plan, self._meshes, build_reducer=False)
-            if template is not None:
-                materialize(self._root, module, template, [u.module_names for u in self._plan.units],
-                            self.root_device, seed)
-            elif not self._profile_whole:
-                self._root.to(self.root_device)  # what no unit's fully_shard moved (replicated units)
-        if self.pretrained is not None:  # NOTE: its own all_ranks_succeed: no rank waits for a failed one
-            load_pretrained(module, self.pretrained)  # after init, so the file's values win
-        connect_plan(self._root)  # a collective (replicate: DDP's reducer): once every rank applied its part
+        self._core.apply(module, self._root)
         self.model = self._root
-        self.setup_s = {
-            "calibrate_s": (self._timings.calibrate_s if self._timings else 0.0)
-            + (self._step_terms.calibrate_s if self._step_terms else 0.0),
-            "profile_s": self._plan.profile_s, "solve_s": self._plan.solve_s,
-            "apply_s": time.perf_counter() - apply_start}
-        rank_zero_info("osdp setup: " + ", ".join(f"{k[:-2]} {v:.3f} s" for k, v in self.setup_s.items()))
 
-    # -- deciding the plan (inside setup's preserved_rng: it may draw random numbers freely) -----
     def _decide_plan(self, trainer: pl.Trainer, module: pl.LightningModule) -> Plan:
-        if self.world_size == 1:
-            rank_zero_info("osdp: one process, nothing to shard across; every unit is replicated "
-                           "(a single-device plan).")
-        if self._plan_source is not None:
-            self._plan_source.check_matches(module, self.world_size)
-            if self.world_size > 1:
-                # NOTE: a saved plan skips calibration, whose collectives also warm the process group
-                # up: without them the same all-replicate plan ran 0.15 s a step instead of 0.11 for
-                # the whole run (GPT 4 x 384, 2 gloo ranks; a tiny all-reduce and an all-gather suffice).
-                self._timings = measure_collectives(self.root_device)
-            return self._plan_source
-        if self.micro_batch_size not in (None, "auto"):
-            set_batch_size(trainer, module, int(self.micro_batch_size))
-        self._timings = measure_collectives(self.root_device) if self.world_size > 1 else None
-        if self.num_nodes > 1 and self.world_size > 1:  # every rank: intra- and inter-node links apart
-            self._node_timings = measure_node_collectives(self.root_device, self.num_processes)
-        if self.world_size > 1:  # every rank; rank 0's terms (or its cache) on all
-            self._meshes = build_meshes(self.root_device.type, self.world_size)
-            self._step_terms = calibrate_step_terms(
-                self.root_device, configured_optimizer(module), self._meshes, ranks_per_node=self.num_processes,
-                split=True,  # NOTE: one cache entry per machine, whatever this run may choose
-                loop_step_s=default_loop_step_s(self.root_device.type), use_cache=self.calibration_cache)
-        else:
-            self._step_terms = measure_one_process_terms(self.root_device, configured_optimizer(module),
-                                                         loop_step_s=default_loop_step_s(self.root_device.type))
-        rank_zero_info(f"osdp: step terms {self._step_terms.source}"
-                       + (f" ({self._step_terms.calibrate_s:.2f} s)" if self._step_terms.calibrate_s else ""))
-        outcome: list[Any] = [None]
-        failure: Exception | None = None
-        if self.global_rank == 0:
-            try:
-                outcome[0] = self._profile_and_solve(trainer, module)
-            except Exception as err:  # every rank must learn of the failure, not wait forever
-                failure, outcome[0] = err, portable_error(err)
-        if dist.is_initialized() and self.world_size > 1:
-            dist.broadcast_object_list(outcome, src=0)
-        if failure is not None:
-            raise failure
-        if isinstance(outcome[0], Exception):
-            raise outcome[0]
-        profile, plan = outcome[0]
-        self._profile = profile
+        """The core's plan, with the Trainer's batch and optimizer; sets the module's batch size
+        for ``micro_batch_size=N`` before profiling and for ``"auto"`` after solving."""
+        assert self._core is not None
+        config = self.config
+        if config.plan is not None:
+            return self._core.decide_plan(module, StepInputs(batch=lambda: None, optimizer=None,
+                                                             precision=str(trainer.precision)))
+        if config.micro_batch_size not in (None, "auto"):
+            set_batch_size(trainer, module, int(config.micro_batch_size))
+        step = StepInputs(
+            batch=lambda: first_training_batch(trainer, module, self), optimizer=configured_optimizer(module),
+            precision=str(trainer.precision), step_context=self.precision_plugin.train_step_context,
+            accumulation_steps=check_accumulation(trainer.accumulate_grad_batches),
+            micro_batch_size="auto" if config.micro_batch_size == "auto" else None)
+        plan = self._core.decide_plan(module, step)
         if plan.micro_batch_size != current_batch_size(trainer, module, plan.micro_batch_size):
             set_batch_size(trainer, module, plan.micro_batch_size)
             rank_zero_info(f"osdp: micro-batch size set to {plan.micro_batch_size} (micro_batch_size='auto')")
         return plan
-
-    def _can_profile_whole(self, module: pl.LightningModule) -> bool:
-        """Whether the whole-model profile fits the budget (decided before anything is placed)."""
-        if has_meta_tensors(module):
-            return False
-        device_bytes = device_memory_bytes(self.root_device, self.num_processes)
-        budget = (budget_floor_bytes(module, self.memory_budget, device_bytes, self.world_size)
-                  if self.memory_budget is not None else default_memory_budget(self.root_device, self.num_processes))
-        return whole_profile_fits(module, budget)
-
-    def _profile_and_solve(self, trainer: pl.Trainer, module: pl.LightningModule) -> tuple[ModelProfile, Plan]:
-        batch = first_training_batch(trainer, module, self)
-        if self.root_device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.root_device)
-        options = ProfileOptions(
-            unit_module_types=self.unit_module_types, unit_name_patterns=self.unit_name_patterns,
-            min_unit_params=self.min_unit_params, repeats=self.profile_repeats,
-            split_factors=self.split_factors if self.uniform_choice is None and self.world_size > 1 else (),
-            check_checkpointing=self.choice_options.activation_checkpointing != "never",
-            precision=str(trainer.precision))
-        if not self._profile_whole and not (self.memory_budget is not None and self.memory_budget.needs_profile):
-            check_setup_fits(module, options, self.cluster_spec().memory_budget_bytes)
-        profile = profile_model(module, batch, self.root_device, options, whole=self._profile_whole,
-                                optimizer=configured_optimizer(module),
-                                step_context=self.precision_plugin.train_step_context)
-        if not self._profile_whole:
-            rank_zero_info(f"osdp: profiled from shapes (fake step, one real copy of each kind of unit) in "
-                           f"{profile.profile_s:.2f} s; the model is placed on the device only as its shards")
-        if (refused := refusal_message(profile.units)) is not None:  # before training: which units, and why
-            always = self.choice_options.activation_checkpointing == "always"
-            (rank_zero_warn if always else rank_zero_info)(refused)
-        if self.root_device.type == "cuda":  # the caching allocator's slack at the profiled peak
-            allocated = torch.cuda.max_memory_allocated(self.root_device)
-            self._fragmentation = torch.cuda.max_memory_reserved(self.root_device) / allocated - 1 if allocated else None
-        cluster, baseline_peak = resolved_cluster(profile, self.cluster_spec, self.memory_budget)
-        if baseline_peak is not None and self.memory_budget is not None:  # e.g. "95%ddp"
-            rank_zero_info(f"osdp: memory budget {self.memory_budget.text} = "
-                           f"{format_bytes(cluster.memory_budget_bytes)} per rank (the uniform "
-                           f"{self.memory_budget.baseline} plan's predicted peak: {format_bytes(baseline_peak)})")
-        plan = solve_plan(profile, cluster, SolveOptions(
-            choice_options=self.choice_options, uniform_choice=self.uniform_choice,
-            micro_batch_size="auto" if self.micro_batch_size == "auto" else None,
-            time_limit_s=self.solver_time_limit_s, accumulation_steps=check_accumulation(trainer.accumulate_grad_batches)))
-        if plan.predicted_peak_bytes > cluster.memory_budget_bytes:
-            rank_zero_warn(f"osdp: the {plan.source} plan is predicted to exceed the memory budget "
-                           f"({plan.predicted_peak_bytes} > {cluster.memory_budget_bytes} bytes)")
-        return profile, plan
-
-    def cluster_spec(self, budget: int | None = None) -> ClusterSpec:
-        """The cluster plans are priced on: this run's links, step terms and headroom, at ``budget``
-        bytes per rank (default: the strategy's budget of the device)."""
-        if budget is None and self.memory_budget is not None:
-            budget = self.memory_budget.of_device(device_memory_bytes(self.root_device, self.num_processes))
-        budget = budget or default_memory_budget(self.root_device, self.num_processes)
-        overlap = self.overlap_efficiency
-        if overlap is None and self.root_device.type != "cuda":
-            # NOTE: on CPU, gloo's collectives compete with compute for the same cores and the
-            # measured figure is noise on a shared machine: CPU plans assume no overlap.
-            overlap = 0.0
-        headroom = plan_headroom(self.headroom, self.root_device, self._fragmentation, self.num_processes)
-        spec = live_cluster_spec(
-            world_size=self.world_size, ranks_per_node=self.num_processes, memory_budget_bytes=budget,
-            timings=self._timings, node_timings=self._node_timings, overlap_efficiency=overlap,
-            headroom_bytes=headroom.bytes, headroom_fraction=headroom.share)
-        return dataclasses.replace(spec, step_terms=self._step_terms, headroom_reason=headroom.reason)
 
     # -- checkpoints: keys of the unwrapped LightningModule (osdp_lightning/checkpoint.py) ---------
     @override
@@ -453,7 +256,8 @@ class OSDPStrategy(ModelParallelStrategy):
             raise TypeError("OSDPStrategy.save_checkpoint(..., storage_options=...) is not supported: the osdp "
                             "strategy writes its checkpoints itself (torch.distributed.checkpoint), not via CheckpointIO")
         path = Path(self.broadcast(str(filepath)))
-        info = {"plan": {u.name: u.choice for u in self._plan.units} if self._plan is not None else None}
+        plan = self._plan
+        info = {"plan": {u.name: u.choice for u in plan.units} if plan is not None else None}
         checkpoint_io.save_checkpoint(checkpoint, path, sharded=self._save_distributed_checkpoint, info=info)
 
     @override

@@ -67,7 +67,7 @@ def test_unusable_budgets_are_refused_with_the_accepted_forms(budget: object, me
 # -- plan files -----------------------------------------------------------------------------------
 def test_a_plan_for_another_model_or_world_size_says_what_differs(tmp_path: Path) -> None:
     fixed_plan(MLP(width=64), 2, MIXED).save(tmp_path / "plan.json")
-    plan = OSDPStrategy(plan=tmp_path / "plan.json")._plan_source
+    plan = OSDPStrategy(plan=tmp_path / "plan.json").config.plan
     with pytest.raises(PlanMismatchError, match="world size: plan 2, run 4"):
         plan.check_matches(MLP(width=64), 4)
     with pytest.raises(PlanMismatchError, match="unit 'net.0': plan has 4160 parameters, model has 1056"):

@@ -115,16 +115,28 @@ def test_attention_flops_are_counted_on_cpu() -> None:
     assert root.forward_s >= 2 * 4 * 2 * 128 * 128 * 64 * SECONDS_PER_FLOP
 
 
-def test_mixed_precision_moves_weight_copies_to_fixed_bytes() -> None:
+def test_mixed_precision_prices_weight_copies_per_unit_and_bf16_gathers() -> None:
     config = GPTConfig(vocab_size=384, block_size=64, n_layer=2, n_head=4, n_embd=128)
     batch = {"input_ids": torch.zeros(4, 64, dtype=torch.long), "labels": torch.zeros(4, 64, dtype=torch.long)}
     fp32 = estimate_profile(lambda: GPTLitModule(GPT(config)), batch, peak_flops_per_s=PEAK)
     bf16 = estimate_profile(lambda: GPTLitModule(GPT(config)), batch, peak_flops_per_s=PEAK, precision="bf16-mixed")
-    assert bf16.activation_bytes < fp32.activation_bytes
-    # most of the bf16 copies of the Linear weights (2 bytes each) do not grow with the batch
-    assert bf16.fixed_bytes - fp32.fixed_bytes >= 0.7 * 2 * sum(u.param_count for u in bf16.units if u.linear_shape)
+    # autocast's bf16 copies of the Linear weights (2 bytes each) are the units' bytes, which do not
+    # grow with the batch, and not fixed bytes (backward frees them before the optimizer step)
+    linear_weights = sum(m.weight.numel() for m in GPT(config).modules() if isinstance(m, torch.nn.Linear))
+    copies = sum(u.cast_param_bytes for u in bf16.units)
+    assert 0.7 * 2 * linear_weights <= copies <= 2 * linear_weights
+    assert fp32.fixed_bytes - 1024 <= bf16.fixed_bytes < fp32.fixed_bytes + 0.3 * copies
+    assert bf16.activation_bytes - copies < fp32.activation_bytes
+    # sharded units are priced as bf16-mixed runs them: gathered in bf16, reduced in fp32 (or as asked)
+    assert (bf16.param_dtype, bf16.compute_bytes_per_element, bf16.reduce_bytes_per_element) == ("bfloat16", 2, 4)
+    assert (fp32.param_dtype, fp32.compute_bytes_per_element, fp32.reduce_bytes_per_element) == ("", 4, 4)
+    halved = estimate_profile(MLP, first_batch(MLP()), peak_flops_per_s=PEAK, precision="bf16-mixed",
+                              reduce_dtype="bfloat16")
+    assert (halved.reduce_dtype, halved.reduce_bytes_per_element) == ("bfloat16", 2)
     with pytest.raises(ValueError, match="precision"):
         estimate_profile(MLP, first_batch(MLP()), peak_flops_per_s=PEAK, precision="fp8")
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        estimate_profile(MLP, first_batch(MLP()), peak_flops_per_s=PEAK, precision="16-mixed")
 
 
 def test_dry_run_plan_applies_to_the_real_model_and_says_it_is_an_estimate() -> None:

@@ -135,11 +135,10 @@ def gpt_small_dry_run():
 def plan_osdp(profile: ModelProfile, budget: str) -> object:
     """What osdp-plan plans (or says) for ``cluster.memory_budget=<budget>``."""
     from osdp_lightning import dryrun
-    from osdp_lightning.cli.common import cluster_spec
-    from osdp_lightning.cli.plan import plan_all
+    from osdp_lightning.cli.plan import recipe_planner
 
     cfg = dryrun.compose_config(["model=gpt_small", "cluster=a100_80g_x8", f"cluster.memory_budget={budget}"])
-    return plan_all(profile, cluster_spec(cfg.cluster), cfg)["osdp"]
+    return recipe_planner(profile, cfg, live=False).plan_with_baselines()["osdp"]
 
 
 def test_gpt_small_on_a100_at_2_2_5_and_3_8_gib(gpt_small_dry_run) -> None:

@@ -77,6 +77,8 @@ def choice_cost(unit: UnitProfile, choice: Choice | str, ctx: CostContext) -> Ch
 
 def is_allowed(unit: UnitProfile, choice: Choice | str, ctx: CostContext) -> bool:
     choice = as_choice(choice)
+    if unit.mixed_dtypes and choice.kind != REPLICATE.kind:
+        return False  # NOTE: FSDP2 shards a group of one dtype (base.check_one_dtype says so when applied)
     return family_of(choice).allowed(unit, choice.base, ctx) and all(
         REGISTRY.modifiers[m].allowed(unit, choice, ctx) for m in choice.modifiers)
 

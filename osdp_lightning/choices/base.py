@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from osdp_lightning.replicate import ignored_for
 from osdp_lightning.step_terms import Affine, GroupTerms, register_group_terms
@@ -317,6 +318,30 @@ def fully_shard_apply(kwargs: Callable[[Choice, Meshes], dict]) -> ApplyFn:
         target = unit_modules(model, module_names)
         # NOTE: replicated units below this one stay plain tensors on DDP's reducer (osdp_lightning/replicate.py).
         ignored = ignored_for(target)
+        check_one_dtype(target, ignored, module_names, choice)
         extra = {"ignored_params": ignored} if ignored else {}
         fully_shard(target, **kwargs(choice, meshes), mp_policy=mp_policy, **extra)
     return apply
+
+
+def check_one_dtype(target: nn.Module | list[nn.Module], ignored: set[nn.Parameter], module_names: tuple[str, ...],
+                    choice: Choice) -> None:
+    """Refuse to shard a unit whose trainable parameters have several dtypes, naming it and them.
+
+    NOTE: FSDP2 needs one original dtype per group and says so only at the first forward, without
+    naming the module ("FSDP expects uniform original parameter dtype"); the planner offers such
+    a unit replicate only (``UnitProfile.mixed_dtypes``), so this catches saved or hand-made plans."""
+    modules = target if isinstance(target, list) else [target]
+    skipped = {id(p) for p in ignored}
+    found: dict[str, str] = {}
+    for module, name in zip(modules, module_names, strict=True):
+        for param_name, param in module.named_parameters(prefix=name):
+            # NOTE: a unit inside this one was sharded first: its parameters are DTensors by now.
+            if param.requires_grad and id(param) not in skipped and not isinstance(param, DTensor):
+                found.setdefault(str(param.dtype).removeprefix("torch."), param_name)
+    if len(found) > 1:
+        unit = "+".join(module_names) or "<root>"
+        examples = ", ".join(f"{dtype} ({param})" for dtype, param in sorted(found.items()))
+        raise ValueError(f"unit {unit!r} cannot take {choice}: its trainable parameters have several dtypes "
+                         f"({examples}) and FSDP2 shards a group of one dtype. Give it replicate, or cast its "
+                         "parameters to one dtype")

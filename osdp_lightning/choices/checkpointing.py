@@ -48,7 +48,7 @@ def cost(base: ChoiceCost, unit: UnitProfile, choice: Choice, ctx: CostContext) 
     # the recompute is freed); taking the larger of the two moments instead under-predicted by 7%.
     return dataclasses.replace(
         base, choice=str(choice), activation_bytes=int(unit.input_bytes * ctx.batch_scale),
-        transient_bytes=base.transient_bytes + ctx.activation_bytes(unit), prefetch_bytes=base.prefetch,
+        transient_bytes=base.transient_bytes + base.activation_bytes, prefetch_bytes=base.prefetch,
         compute_s=base.compute_s + unit.forward_s * ctx.batch_scale)
 
 

@@ -101,15 +101,19 @@ def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
              + state_bytes(bias, bias_trainable))
     gathered = slice_params * profile.compute_bytes_per_element
     grads = slice_trainable * profile.grad_bytes_per_element
+    gathered_grads = slice_trainable * profile.compute_bytes_per_element  # a sharded slice's, unsharded
     reduced = slice_trainable * profile.reduce_bytes_per_element
     # Sharded slices: two consecutive ones in flight (FSDP2's backward prefetch). Replicated slices:
     # each gradient exists twice until the reducer all-reduces the bucket at the end of backward
     # (autograd's tensor and its copy in the bucket; measured with FSDPMemTracker on 2 gloo ranks,
     # tests/scripts/split_fsdp_check.py), for every replicated slice at once.
-    in_flight = min(sharded, 2) * (gathered + grads) + 2 * replicated * grads
-    # Accumulating: each sharded slice keeps its unsharded gradient through the step (its in-flight
-    # gradient is then that tensor; counted in both places, an upper bound).
-    state += ctx.kept_grad_bytes(sharded * grads)
+    in_flight = min(sharded, 2) * (gathered + gathered_grads) + 2 * replicated * grads
+    # Accumulating: each sharded slice keeps its unsharded gradient (in the reduce dtype) through the
+    # step (its in-flight gradient is then that tensor; counted in both places, an upper bound).
+    state += ctx.kept_grad_bytes(sharded * reduced)
+    # NOTE: sharded slices gathered in autocast's dtype save no copy of their weight (bf16-mixed).
+    replicated_bytes, sharded_bytes = ctx.activation_bytes(unit), ctx.activation_bytes(unit, sharded=True)
+    activation_bytes = replicated_bytes + (sharded_bytes - replicated_bytes) * sharded // k
     transient = (in_flight + (ceil_div(reduced, world) if sharded else 0)
                  + bias_trainable * profile.grad_bytes_per_element)
     bias_s = all_reduce_s(bias_trainable * profile.grad_bytes_per_element, world, cluster)
@@ -130,7 +134,7 @@ def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
                       prefetch_bytes=gathered if sharded else 0,
                       exposed_s=(2 + ctx.once_per_step_s(1)) * sharded * cluster.collective_latency_s if world > 1 else 0.0,
                       overhead_s=machinery_s, optimizer_s=optimizer_s,
-                      activation_bytes=ctx.activation_bytes(unit), reduce_bytes=reduced if sharded else 0)
+                      activation_bytes=activation_bytes, reduce_bytes=reduced if sharded else 0)
 
 
 def allowed(unit: UnitProfile, choice: Choice, _ctx: CostContext) -> bool:

@@ -50,7 +50,9 @@ def sharded_cost(unit: UnitProfile, choice: Choice, ctx: CostContext, *, gathers
     exposed_s = ((gathers.count(shard) + ctx.once_per_step_s(1)) * _latency_s(ctx, shard)
                  + sum(_latency_s(ctx, ranks) for ranks in gathers if ranks != shard))
     overhead_s, optimizer_s = ctx.machinery_s(unit, priced_as or choice.kind)
-    kept = ctx.kept_grad_bytes(b.grads)  # accumulating: the unsharded gradient lives through the step
+    # NOTE: accumulating, the unsharded gradient lives through the step, kept in the reduce dtype
+    # (FSDP2 upcasts a bf16 gradient to accumulate it in fp32).
+    kept = ctx.kept_grad_bytes(b.reduced)
     whole = held == 1  # zero2: the gathered copy is held, not transient; nothing is gathered for backward
     # NOTE: its backward frees saved activations while it makes the gradients: the profiled rise
     # (gradients and temporaries less what was freed by then) when measured at this micro-batch,
@@ -60,11 +62,12 @@ def sharded_cost(unit: UnitProfile, choice: Choice, ctx: CostContext, *, gathers
     # units' gradients (T5's encoder blocks: 19 to 131 MiB, one more per block).
     measured = unit.backward_rise_bytes is not None and ctx.batch_scale == 1
     rise = min(unit.backward_rise_bytes, b.grads + 2 * unit.activation_bytes) if measured else b.grads
+    rise -= b.grads - b.gathered_grads  # gradients made in the gathered dtype (bf16-mixed: half of fp32's)
     return ChoiceCost(str(choice), ceil_div(b.state, shard) + kept, ceil_div(b.gathered, held) if held else 0,
                       (0 if whole else b.gathered) + max(rise - kept, 0), ctx.compute_s(unit), comm_s,
                       prefetch_bytes=b.gathered, exposed_s=exposed_s,
                       overhead_s=overhead_s, optimizer_s=optimizer_s,
-                      activation_bytes=ctx.activation_bytes(unit), forward_bytes=2 * b.gathered,
+                      activation_bytes=ctx.activation_bytes(unit, sharded=True), forward_bytes=2 * b.gathered,
                       backward_prefetch_bytes=0 if whole else None,
                       late_grad_bytes=0 if kept else ceil_div(b.grads, shard), reduce_bytes=b.reduced)
 

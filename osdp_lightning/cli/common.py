@@ -19,6 +19,7 @@ from osdp_lightning.budget import (
     plan_headroom,
 )
 from osdp_lightning.cluster import ClusterSpec, cluster_spec_from_config
+from osdp_lightning.config import OSDPConfig
 
 CONFIG_PATH = "pkg://osdp_lightning.conf"
 """The configs ship as the ``conf`` package, so installed console scripts find them anywhere."""
@@ -26,6 +27,12 @@ CONFIG_PATH = "pkg://osdp_lightning.conf"
 
 class ClusterMismatchError(SystemExit):
     """The chosen cluster cannot run on this machine (exits with the message, no traceback)."""
+
+
+def strategy_config(strategy: DictConfig) -> OSDPConfig:
+    """The :class:`OSDPConfig` of a ``conf/strategy`` entry (what ``OSDPStrategy`` is made with)."""
+    fields = OmegaConf.to_container(strategy, resolve=True)
+    return OSDPConfig().with_options(**{k: v for k, v in fields.items() if k != "_target_"})
 
 
 def cluster_world_size(cluster: DictConfig) -> int:

@@ -18,27 +18,25 @@ import hydra
 import lightning.pytorch as pl
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from osdp_lightning import dryrun
 from osdp_lightning.budget import format_bytes, parse_memory_budget
-from osdp_lightning.choices import BASELINES, ChoiceOptions, choice_space, resolve
 from osdp_lightning.cli.common import (
     CONFIG_PATH,
     check_cluster_runs_here,
     choice_names,
     cluster_spec,
     output_dir,
+    strategy_config,
     write_json,
 )
-from osdp_lightning.cluster import ClusterSpec
 from osdp_lightning.optim_state import configured_optimizer
-from osdp_lightning.pipeline import ProfileOptions, batch_candidates, profile_model
-from osdp_lightning.plan import InfeasibleBudgetError, Plan, baseline_peak_bytes, make_plan
+from osdp_lightning.pipeline import profile_model
+from osdp_lightning.plan import Plan
+from osdp_lightning.planner import Planner, PlanOptions
 from osdp_lightning.plot import try_plot_plan
 from osdp_lightning.profile import ModelProfile
-
-UNIT_OPTIONS = ("unit_module_types", "unit_name_patterns", "min_unit_params")
 
 
 def profile_recipe(cfg: DictConfig) -> tuple[ModelProfile, int]:
@@ -50,44 +48,21 @@ def profile_recipe(cfg: DictConfig) -> tuple[ModelProfile, int]:
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
     module = instantiate(cfg.model)
-    # NOTE: the same unit options as the strategy (e.g. +strategy.unit_name_patterns=[...]).
-    strategy = OmegaConf.to_container(cfg.strategy, resolve=True)
-    unit_options = {key: strategy[key] for key in UNIT_OPTIONS if strategy.get(key) is not None}
-    options = ProfileOptions(repeats=int(cfg.strategy.profile_repeats),
-                             split_factors=tuple(cfg.strategy.split_factors), **unit_options)
+    # NOTE: the strategy's own options (e.g. +strategy.unit_name_patterns=[...]).
+    options = strategy_config(cfg.strategy).profile_options("32-true", split=True)
     profile = profile_model(module, batch, torch.device("cpu"), options, whole=True,
                             optimizer=configured_optimizer(module))
     return profile, datamodule.tokens_per_sample
 
 
-def plan_all(profile: ModelProfile, cluster: ClusterSpec, cfg: DictConfig) -> dict[str, Plan | str]:
-    """The osdp plan and the three baselines; the text of the error where osdp fits nothing."""
-    candidates = batch_candidates(profile, cfg.strategy.micro_batch_size)
-    choices = choice_space(cluster, ChoiceOptions(
-        split_factors=tuple(cfg.strategy.split_factors),
-        activation_checkpointing=str(cfg.strategy.get("activation_checkpointing", "auto"))))
-    plans: dict[str, Plan | str] = {}
-    try:
-        plans["osdp"] = make_plan(profile, cluster, micro_batch_sizes=candidates, choices=choices,
-                                   time_limit_s=cfg.strategy.solver_time_limit_s)
-    except InfeasibleBudgetError as err:
-        plans["osdp"] = str(err)
-    for name in BASELINES:
-        plans[name] = _best_uniform_plan(profile, cluster, str(resolve(name)), candidates or (profile.micro_batch_size,))
-    return plans
-
-
-def _best_uniform_plan(profile: ModelProfile, cluster: ClusterSpec, choice: str,
-                       candidates: tuple[int, ...]) -> Plan:
-    """A baseline at the fastest micro-batch size that fits the budget (the smallest if none fits)."""
-    plans = [make_plan(profile, cluster, uniform_choice=choice, micro_batch_sizes=(b,)) for b in sorted(candidates)]
-    fitting = [p for p in plans if p.predicted_peak_bytes <= usable_bytes(cluster)]
-    return max(fitting, key=lambda p: p.predicted_throughput) if fitting else plans[0]
-
-
-def usable_bytes(cluster: ClusterSpec) -> int:
-    """What a plan may use: the budget less the headroom it keeps free."""
-    return cluster.usable_bytes
+def recipe_planner(profile: ModelProfile, cfg: DictConfig, live: bool) -> Planner:
+    """The planner of ``profile`` on ``cfg.cluster`` under its budget, with ``cfg.strategy``'s options."""
+    budget = parse_memory_budget(cfg.cluster.get("memory_budget") or cfg.cluster.memory_per_device)
+    config = strategy_config(cfg.strategy)
+    options = PlanOptions(choice_options=config.choice_options, micro_batch_size=config.micro_batch_size,
+                          time_limit_s=config.solver_time_limit_s)
+    return Planner(profile, lambda budget_bytes: cluster_spec(cfg.cluster, budget_bytes=budget_bytes, live=live),
+                   budget, options)
 
 
 def format_comparison(plans: dict[str, Plan | str], tokens_per_sample: int, usable: int) -> str:
@@ -140,12 +115,12 @@ def main(cfg: DictConfig) -> None:
     print(f"== osdp-plan: {names['model']} on {names['cluster']} ({cluster.world_size} ranks, budget "
           f"{shown} per rank); {how} ==", flush=True)
     profile, tokens_per_sample = dryrun.estimate_recipe_profile(cfg, cluster) if dry else profile_recipe(cfg)
-    if budget.needs_profile:  # e.g. "95%ddp": a share of that baseline's predicted peak
-        baseline_peak = baseline_peak_bytes(profile, cluster, budget.baseline)
-        cluster = cluster_spec(cfg.cluster, budget_bytes=budget.of_peak(baseline_peak))
+    planner = recipe_planner(profile, cfg, live=not dry)
+    cluster = planner.cluster
+    if planner.baseline_peak_bytes is not None:  # e.g. "95%ddp": a share of that baseline's predicted peak
         print(f"memory budget {budget.text} = {format_bytes(cluster.memory_budget_bytes)} per rank (the uniform "
-              f"{budget.baseline} plan's predicted peak: {format_bytes(baseline_peak)})")
-    plans = plan_all(profile, cluster, cfg)
+              f"{budget.baseline} plan's predicted peak: {format_bytes(planner.baseline_peak_bytes)})")
+    plans = planner.plan_with_baselines()
     if dry:
         plans = {name: dryrun.mark_dry_run(plan) if isinstance(plan, Plan) else plan for name, plan in plans.items()}
     out = output_dir()
@@ -159,12 +134,12 @@ def main(cfg: DictConfig) -> None:
             plan.save(out / ("plan.json" if name == "osdp" else f"plan_{name}.json"))
     picture = try_plot_plan(osdp, out / "plan.png", title=f"osdp-plan: {names['model']} on {names['cluster']}, "
                             f"budget {budget.text}") if isinstance(osdp, Plan) else "plan picture: no plan"
-    table = format_comparison(plans, tokens_per_sample, usable_bytes(cluster))
+    table = format_comparison(plans, tokens_per_sample, cluster.usable_bytes)
     (out / "comparison.md").write_text(table + "\n")
     write_json(out / "comparison.json", {**names, "world_size": cluster.world_size,
                                          "tokens_per_sample": tokens_per_sample,
-                                         "usable_bytes": usable_bytes(cluster),
-                                         "rows": comparison_rows(plans, tokens_per_sample, usable_bytes(cluster))})
+                                         "usable_bytes": cluster.usable_bytes,
+                                         "rows": comparison_rows(plans, tokens_per_sample, cluster.usable_bytes)})
     print(f"\npredicted per optimizer step ({profile.param_count:,} parameters, {tokens_per_sample} tokens/sample;"
           f" fits: within the budget less {format_bytes(cluster.headroom_for(cluster.memory_budget_bytes))} headroom):")
     print(table)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_plans import MIXED, fixed_plan  # noqa: E402
 from toy_models import MLP  # noqa: E402
 
-import osdp_lightning.strategy as strategy_module  # noqa: E402
+import osdp_lightning.setup_core as setup_core  # noqa: E402
 from osdp_lightning import OSDPStrategy  # noqa: E402
 
 INJECTED = "injected failure for the fail-fast test"
@@ -37,17 +37,17 @@ def inject(stage: str) -> None:
         def failing_profile(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             raise RuntimeError(f"{INJECTED} (profiling on rank {dist.get_rank()})")
         # NOTE: the name the strategy calls; a rename must fail here, not leave the fault uninjected
-        assert hasattr(strategy_module, "profile_model"), "the strategy no longer profiles through profile_model"
-        strategy_module.profile_model = failing_profile
+        assert hasattr(setup_core, "profile_model"), "the osdp setup no longer profiles through profile_model"
+        setup_core.profile_model = failing_profile
     elif stage == "apply":
-        assert hasattr(strategy_module, "apply_plan"), "the strategy no longer applies plans through apply_plan"
-        real_apply = strategy_module.apply_plan
+        assert hasattr(setup_core, "apply_plan"), "the osdp setup no longer applies plans through apply_plan"
+        real_apply = setup_core.apply_plan
 
         def apply_failing_on_rank_1(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             if dist.get_rank() == 1:
                 raise RuntimeError(f"{INJECTED} (applying the plan on rank 1)")
             return real_apply(*args, **kwargs)
-        strategy_module.apply_plan = apply_failing_on_rank_1
+        setup_core.apply_plan = apply_failing_on_rank_1
 
 
 def main() -> None:

@@ -151,7 +151,7 @@ def main() -> None:
         osdp = isinstance(trainer.strategy, OSDPStrategy)
         result = {"losses": model.losses, "stats": record.stats,
                   "plan": {u.name: u.choice for u in trainer.strategy.plan.units} if osdp else {},
-                  "profiled_whole": bool(getattr(trainer.strategy, "_profile_whole", True))}
+                  "profiled_whole": bool(getattr(trainer.strategy, "profiled_whole", True))}
     except Exception as err:  # the test reads which error every rank raised
         result = {"error": f"{type(err).__name__}: {err}"}
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -80,7 +80,8 @@ def fit(run: dict) -> list[dict]:
     result = {"rank": trainer.global_rank, "node_rank": trainer.node_rank, "losses": model.losses,
               "shard_groups": hsdp_shard_groups(model, plan.to_dict()["units"]) if plan else {},
               "plan": plan.to_dict() if plan else None,
-              "strategy_measured_nodes": getattr(trainer.strategy, "_node_timings", None) is not None,
+              "strategy_measured_nodes": isinstance(trainer.strategy, OSDPStrategy)
+              and trainer.strategy.cluster_spec().inter_node_bandwidth_bytes_per_s is not None,
               "num_nodes": spec.num_nodes, "local_world_size": spec.local_world_size,
               "intra_bandwidth_bytes_per_s": timings.intra_bandwidth_bytes_per_s,
               "inter_bandwidth_bytes_per_s": timings.inter_bandwidth_bytes_per_s,

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
+from hand_layout import hand_layout_model, hand_layout_strategy  # noqa: E402
 from toy_models import MODELS  # noqa: E402
 
 import osdp_lightning  # noqa: E402,F401  (registers "osdp")
@@ -30,7 +31,8 @@ from osdp_lightning.replicate import replicate_reducer  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="mlp", choices=sorted(MODELS))
-    parser.add_argument("--strategy", default="osdp")
+    parser.add_argument("--strategy", default="osdp", help="osdp, a Lightning strategy, or hand (--plan laid out "
+                        "by hand: FSDP2 and DDP, hand_layout.py)")
     parser.add_argument("--uniform", default=None, help="replicate | zero2 | zero3")
     parser.add_argument("--budget", default=None)
     parser.add_argument("--plan", default=None, help="plan JSON to apply")
@@ -53,7 +55,8 @@ def main() -> None:
     args = parser.parse_args()
 
     L.seed_everything(0, workers=True)
-    model = MODELS[args.model]()
+    model = hand_layout_model(MODELS[args.model], args.plan, args.precision) if args.strategy == "hand" \
+        else MODELS[args.model]()
     model.optimizer_foreach = True if args.foreach else None
     if args.strategy == "osdp":
         factors = tuple(int(k) for k in args.split_factors.split(",") if k)
@@ -63,7 +66,7 @@ def main() -> None:
                                 split_factors=factors, micro_batch_size=micro,
                                 activation_checkpointing=args.activation_checkpointing)
     else:
-        strategy = args.strategy
+        strategy = hand_layout_strategy(args.devices) if args.strategy == "hand" else args.strategy
     summary = TrainingSummary()
     norms = _GradNormRecorder()
     counter = _CollectiveCounter()
@@ -76,7 +79,9 @@ def main() -> None:
     trainer.fit(model)
     result = {"rank": trainer.global_rank, "losses": model.losses, "summary": summary.summary,
               "grad_norms": norms.norms, "step_calls": model.step_calls,
-              "reductions_per_batch": counter.per_batch, "threads": torch.get_num_threads()}
+              "reductions_per_batch": counter.per_batch, "gathered_bytes_per_batch": counter.gathered_per_batch,
+              "gathered_elements_per_batch": counter.gathered_elements_per_batch,
+              "threads": torch.get_num_threads()}
     reducer = replicate_reducer(trainer.strategy.model) if args.strategy == "osdp" else None
     result["replicated_params"] = len(reducer.params) if reducer is not None else 0  # on DDP's reducer
     plan = getattr(trainer.strategy, "_plan", None)
@@ -97,14 +102,25 @@ def main() -> None:
 
 
 class _CollectiveCounter(L.Callback):
-    """Gradient reductions FSDP2 issues in each training batch (reduce-scatters and all-reduces)."""
+    """Gradient reductions FSDP2 issues in each training batch (reduce-scatters and all-reduces), and
+    the bytes its all-gathers gather (their outputs: every rank's shards)."""
 
     def __init__(self) -> None:
         self.per_batch: list[int] = []
-        self._count = 0
+        self.gathered_per_batch: list[int] = []
+        self.gathered_elements_per_batch: list[int] = []
+        self._count = self._gathered = self._elements = 0
         for name in ("reduce_scatter_single", "all_reduce"):
             if hasattr(dist, name):
                 setattr(dist, name, self._counted(getattr(dist, name)))
+        dist.all_gather_single = self._gathering(dist.all_gather_single)  # what FSDP2 calls
+
+    def _gathering(self, collective):  # noqa: ANN001, ANN202
+        def call(output, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            self._gathered += output.numel() * output.element_size()
+            self._elements += output.numel()
+            return collective(output, *args, **kwargs)
+        return call
 
     def _counted(self, collective):  # noqa: ANN001, ANN202
         def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -113,10 +129,12 @@ class _CollectiveCounter(L.Callback):
         return call
 
     def on_train_batch_start(self, *args) -> None:  # noqa: ANN002
-        self._count = 0
+        self._count = self._gathered = self._elements = 0
 
     def on_train_batch_end(self, *args) -> None:  # noqa: ANN002
         self.per_batch.append(self._count)
+        self.gathered_per_batch.append(self._gathered)
+        self.gathered_elements_per_batch.append(self._elements)
 
 
 class _GradNormRecorder(L.Callback):
