@@ -1,0 +1,330 @@
+"""Pretrained weights into a sharded model on 2 CPU ranks: load time, memory, correctness, export.
+
+    ./dev bench pretrained_load [--parts load,matrix,export] [--budget 70%ddp] [--repeats 3]
+                                [--matrix llama:2x64,gpt2:2x64,llama:1x32] [--out-dir docs/benchmarks/pretrained_load]
+    ./dev bench pretrained_load --report-only DIR/pretrained_load_runs.json --out-dir DIR
+
+Nothing is downloaded: every model is ``save_pretrained`` from a config into a temporary directory.
+Every launch is osdp-train (:mod:`benchmarks.pretrained_load_worker`: each rank's LoadReport and
+resident high-water mark too), both ranks started at once (:mod:`benchmarks.launch`).
+
+- ``load``: ``model=hf_llama_110m`` (12 x 768 Llama, fp32 safetensors, 438 MB). In fresh
+  processes, ``AutoModelForCausalLM.from_pretrained(DIR)`` timed 3 times (median), alone and
+  followed by reading every weight once. Then osdp-train ``meta_init=true model.pretrained=DIR`` at
+  ``--budget`` (a budget its DDP state does not fit) with ``MALLOC_MMAP_THRESHOLD_=65536`` as
+  docs/benchmarks.md section 10 measures memory: the first launch solves the plan, the next
+  ``--repeats - 1`` train from it (``strategy.plan=``). The same plan built eagerly with
+  ``from_pretrained`` on every rank, Lightning's ``ddp`` from the same directory, and a 1 x 16
+  Llama through each of those commands (the fixed cost: interpreter, torch, gloo, Lightning,
+  transformers; and osdp's calibration where the plan is solved).
+- ``matrix``: per tiny family and shape, Lightning's ``ddp`` from a saved directory against osdp at
+  ``60%ddp`` and at 5% above the smallest budget osdp names (read from a launch at ``25%ddp``),
+  built on meta (osdp loads), built eagerly with random weights (osdp loads), and built eagerly
+  by ``from_pretrained`` on every rank; 8 steps each, losses from ``csv/metrics.csv``.
+- ``export``: the last ``load`` launch saves its checkpoint; ``osdp-export`` to a Hugging Face
+  directory is timed, and ``from_pretrained`` of it compared bit for bit with the checkpoint.
+
+Writes ``pretrained_load.md`` (:mod:`benchmarks.pretrained_load_report`) and
+``pretrained_load_runs.json`` (every record) into ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import pretrained_load_report as report
+from benchmarks.compare import describe_machine, load_average
+from benchmarks.launch import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+"""glibc serves large blocks by mmap and gives them back on free: the resident set follows the tensors."""
+SMOKE = ("trainer=smoke", "+trainer.enable_progress_bar=false")
+TINY_LLAMA = ("model.hf_config.num_hidden_layers=1", "model.hf_config.hidden_size=16",
+              "model.hf_config.num_attention_heads=2", "model.hf_config.num_key_value_heads=2",
+              "model.hf_config.intermediate_size=32", "model.hf_config.vocab_size=384",
+              "model.hf_config.tie_word_embeddings=false")
+"""Overrides of ``model=hf_llama_110m`` that leave a 1 x 16 Llama: the fixed cost of the same command."""
+FAMILIES = {"llama": "hf_llama_tiny", "gpt2": "hf_gpt2_tiny", "neox": "hf_neox_tiny"}
+CHECKPOINT = ("trainer.enable_checkpointing=true", "trainer.check_val_every_n_epoch=1", "trainer.val_check_interval=1.0")
+"""A checkpoint at the end of training (ModelCheckpoint saves at the epoch's end when nothing validates)."""
+PROBE_BUDGET = "25%ddp"
+"""A budget no plan fits (the tiny cases' smallest is 55-65%ddp), yet one that holds osdp's setup (about 3x
+the largest unit; below it osdp says so instead of naming the smallest budget)."""
+SHARE_BUDGET = "60%ddp"
+ABOVE_SMALLEST = 1.05
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pretrained_load", description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="load,matrix,export")
+    parser.add_argument("--budget", default="70%ddp", help="the 110M model's budget per rank (load part)")
+    parser.add_argument("--probe-budget", default="50%ddp",
+                        help="a budget also tried first, recording what osdp says of it ('' to skip)")
+    parser.add_argument("--repeats", type=int, default=3, help="osdp launches of the 110M model (medians)")
+    parser.add_argument("--steps", type=int, default=4, help="training steps of the 110M model (>= 3)")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--model-overrides", default="",
+                        help="space-separated overrides of model=hf_llama_110m for the saved model "
+                             "(e.g. model.hf_config.num_hidden_layers=2: a quick trial)")
+    parser.add_argument("--no-ddp", action="store_true", help="skip Lightning's ddp launch of the 110M model")
+    parser.add_argument("--matrix", default="llama:2x64,gpt2:2x64,llama:1x32",
+                        help="correctness cases, FAMILY:BATCHxSEQ (micro-batch x data.seq_len)")
+    parser.add_argument("--matrix-steps", type=int, default=8)
+    parser.add_argument("--run-timeout-s", type=float, default=1800.0)
+    parser.add_argument("--out-dir", type=Path, default=Path("bench_out/pretrained_load"))
+    parser.add_argument("--report-only", type=Path, default=None, metavar="RUNS_JSON")
+    parser.add_argument("--time-from-pretrained", type=Path, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+# -- models saved to disk -----------------------------------------------------------------------
+def save_model(model: str, overrides: list[str], directory: Path, seed: int) -> dict[str, Any]:
+    """``save_pretrained`` of the recipe's model (random weights from ``seed``) into ``directory``."""
+    import torch
+    from hydra import compose, initialize_config_module
+    from hydra.utils import instantiate
+
+    with initialize_config_module("osdp_lightning.conf", version_base="1.3"):
+        cfg = compose("train", overrides=[f"model={model}", "output_dir=/tmp/unused", *overrides])
+    torch.manual_seed(seed)
+    net = instantiate(cfg.model).net
+    net.save_pretrained(directory)
+    files = sorted(directory.glob("*.safetensors"))
+    return {"dir": str(directory), "param_count": sum(p.numel() for p in net.parameters()),
+            "file_bytes": sum(f.stat().st_size for f in files), "type": type(net).__name__}
+
+
+def time_from_pretrained(directory: Path, calls: int = 3) -> dict[str, Any]:
+    """In this (fresh) process: ``from_pretrained(directory)`` ``calls`` times, alone and then with
+    every weight read once (transformers maps the file: the call itself reads no weight)."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):  # NOTE: imports the modelling code, as the meta-built osdp run did
+        transformers.AutoModelForCausalLM.from_config(config)
+    call_s, read_s = [], []
+    for _ in range(calls):
+        start = time.perf_counter()
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+        call_s.append(time.perf_counter() - start)
+        with torch.no_grad():
+            sum(float(p.sum()) for p in model.parameters())
+        read_s.append(time.perf_counter() - start)
+        del model
+    return {"call_s": call_s, "read_s": read_s, "load_average": load_average()}
+
+
+def timed_from_pretrained(directory: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "benchmarks.pretrained_load", "--time-from-pretrained", str(directory)]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True,
+                          text=True, timeout=600, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- one 2-rank launch of osdp-train ------------------------------------------------------------------
+def train(overrides: list[str], work: Path, label: str, timeout_s: float, mmap: bool = False) -> dict[str, Any]:
+    """osdp-train with ``overrides`` on 2 ranks; its records (:func:`report.read_run`)."""
+    run_dir = work / label
+    cmd = [sys.executable, "-m", "benchmarks.pretrained_load_worker", *SMOKE, *overrides, f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OSDP_LIGHTNING_CACHE_DIR": str(work / "calibration"),
+           **(MMAP_ENV if mmap else {})}
+    start = time.perf_counter()
+    code = run_ranks(cmd, work / f"{label}.log", timeout_s, env=env, cwd=ROOT)
+    record = report.read_run(run_dir, (work / f"{label}.log").read_text(), code)
+    record.update(label=label, overrides=list(overrides), wall_s=round(time.perf_counter() - start, 1),
+                  load_average=load_average())
+    print(report.progress_line(record), flush=True)
+    return record
+
+
+# -- the parts ---------------------------------------------------------------------------------
+def load_part(args: argparse.Namespace, work: Path, export: bool) -> dict[str, Any]:
+    """The 110M model: from_pretrained timings, osdp launches, the eager and ddp launches, the fixed costs."""
+    pretrained = work / "llama110m"
+    saved: dict[str, Any] = {"model": save_model("hf_llama_110m", args.model_overrides.split(), pretrained, seed=0)}
+    base = ["model=hf_llama_110m", f"model.pretrained={pretrained}", f"data.seq_len={args.seq_len}",
+            f"trainer.max_steps={args.steps}"]
+    budget = f"cluster.memory_budget={args.budget}"
+    saved["command"] = " ".join(["MALLOC_MMAP_THRESHOLD_=65536 ./dev train", *base, "meta_init=true", budget, *SMOKE])
+    if args.probe_budget:
+        saved["probe"] = train([*base, "meta_init=true", f"cluster.memory_budget={args.probe_budget}"], work,
+                               "probe", args.run_timeout_s, mmap=True)
+    saved["from_pretrained"], saved["osdp"] = [], []
+    for i in range(args.repeats):
+        saved["from_pretrained"].append(timed_from_pretrained(pretrained))
+        plan = [f"strategy.plan={work / 'osdp_0' / 'plan.json'}"] if i else []
+        ckpt = list(CHECKPOINT) if export and i == args.repeats - 1 else []
+        record = train([*base, "meta_init=true", budget, *plan, *ckpt], work, f"osdp_{i}", args.run_timeout_s,
+                       mmap=True)
+        saved["osdp"].append({**record, "fixed_kind": "plan" if i else "solve"})
+        if record["status"] != "ok":
+            break
+    solved = saved["osdp"][0]
+    if solved["status"] == "ok":
+        saved["eager"] = {**train([*base, budget, f"strategy.plan={work / 'osdp_0' / 'plan.json'}"], work, "eager",
+                                  args.run_timeout_s, mmap=True), "fixed_kind": "plan"}
+    if not args.no_ddp:
+        saved["ddp"] = {**train([*base, "strategy=ddp"], work, "ddp", args.run_timeout_s, mmap=True), "fixed_kind": "ddp"}
+    budget_bytes = (solved.get("summary") or {}).get("memory_budget_bytes")
+    saved["fixed"] = fixed_costs(args, work, f"{budget_bytes}B" if budget_bytes else args.budget)
+    return saved
+
+
+def fixed_costs(args: argparse.Namespace, work: Path, budget: str) -> dict[str, dict[str, Any]]:
+    """A 1 x 16 Llama through each command the 110M model ran: solving, from a saved plan, Lightning's ddp."""
+    tiny = work / "tiny"
+    save_model("hf_llama_110m", list(TINY_LLAMA), tiny, seed=0)
+    base = ["model=hf_llama_110m", f"model.pretrained={tiny}", f"data.seq_len={args.seq_len}",
+            f"trainer.max_steps={args.steps}"]
+    meta = [*base, "meta_init=true", f"cluster.memory_budget={budget}"]
+    fixed = {"solve": train(meta, work, "fixed_solve", args.run_timeout_s, mmap=True)}
+    fixed["plan"] = train([*meta, f"strategy.plan={work / 'fixed_solve' / 'plan.json'}"], work, "fixed_plan",
+                          args.run_timeout_s, mmap=True)
+    if not args.no_ddp:
+        fixed["ddp"] = train([*base, "strategy=ddp"], work, "fixed_ddp", args.run_timeout_s, mmap=True)
+    return fixed
+
+
+def matrix_part(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    """Per (family, shape): the probe, ddp, then osdp at two budgets x three ways of building."""
+    records: list[dict[str, Any]] = []
+    for family, batch, seq in args.matrix_list:
+        model, case = FAMILIES[family], f"{family} {batch}x{seq}"
+        pretrained = work / f"{family}_pretrained"
+        if not pretrained.exists():
+            save_model(model, [], pretrained, seed=3)
+        common = [f"model={model}", f"trainer.max_steps={args.matrix_steps}", f"data.batch_size={batch}",
+                  f"data.seq_len={seq}"]
+        from_dir = f"model.pretrained={pretrained}"
+        jobs: list[tuple[str, list[str]]] = [
+            ("probe", ["meta_init=true", from_dir, f"cluster.memory_budget={PROBE_BUDGET}"]),
+            ("ddp", ["strategy=ddp", from_dir])]
+        for i, (label, overrides) in enumerate(jobs):
+            slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{case} {label}")
+            record = train([*common, *overrides], work, slug, args.run_timeout_s)
+            record.update(family=family, case=case, run=label)
+            records.append(record)
+            if i == 0:
+                jobs += matrix_jobs(record.get("smallest_feasible_bytes"), from_dir, f"+strategy.pretrained={pretrained}")
+    return records
+
+
+def parse_matrix(text: str) -> list[tuple[str, int, int]]:
+    """``"llama:2x64,gpt2:2x64"`` -> ``[("llama", 2, 64), ("gpt2", 2, 64)]`` (family: batch x seq_len)."""
+    cases = []
+    for item in filter(None, text.split(",")):
+        family, _, shape = item.partition(":")
+        batch, _, seq = shape.partition("x")
+        if family not in FAMILIES or not (batch.isdigit() and seq.isdigit()):
+            raise SystemExit(f"--matrix takes FAMILY:BATCHxSEQ items ({', '.join(FAMILIES)}); got {item!r}")
+        cases.append((family, int(batch), int(seq)))
+    return cases
+
+
+def matrix_jobs(smallest: int | None, from_dir: str, strategy_loads: str) -> list[tuple[str, list[str]]]:
+    """osdp at 60%ddp and 5% above the smallest budget: on meta, eager + osdp loads, eager from_pretrained."""
+    budgets = [(SHARE_BUDGET, SHARE_BUDGET)]
+    if smallest is not None:
+        budgets.append((f"{int(smallest * ABOVE_SMALLEST)}B", f"+{round(100 * (ABOVE_SMALLEST - 1))}%"))
+    builds = [("meta", ["meta_init=true", from_dir]), ("eager-load", [strategy_loads]),
+              ("eager-from_pretrained", [from_dir])]
+    return [(f"osdp {name} {build}", [f"cluster.memory_budget={budget}", *extra])
+            for budget, name in budgets for build, extra in builds]
+
+
+def export_part(load: dict[str, Any], work: Path) -> dict[str, Any]:
+    """osdp-export of the last load launch's checkpoint, timed; from_pretrained of it against the checkpoint."""
+    last = load["osdp"][-1]
+    ckpts = sorted((work / last["label"]).rglob("*.ckpt"))
+    if last["status"] != "ok" or not ckpts:
+        return {"status": "skipped", "message": f"no checkpoint from {last['label']} ({last['status']})"}
+    out = work / "export"
+    cmd = [sys.executable, "-m", "osdp_lightning.cli.export", str(ckpts[-1]), str(out), "--config",
+           load["model"]["dir"]]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False)
+    record: dict[str, Any] = {"command": " ".join(["osdp-export", "CKPT", "OUT", "--config", "DIR"]),
+                              "wall_s": time.perf_counter() - start, "returncode": done.returncode,
+                              "stdout": done.stdout[-2000:], "load_average": load_average()}
+    if done.returncode:
+        record.update(status="error", message=done.stderr[-3000:])
+        return record
+    record.update(status="ok", file_bytes=sum(f.stat().st_size for f in out.glob("*.safetensors")),
+                  checkpoint_bytes=sum(f.stat().st_size for f in ckpts[-1].rglob("*") if f.is_file()),
+                  **compare_export(ckpts[-1], out))
+    print(f"export: {record['wall_s']:.1f} s, {record['file_bytes']} bytes; bit for bit: {record['equal']}", flush=True)
+    return record
+
+
+def compare_export(checkpoint: Path, out: Path) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from osdp_lightning.checkpoint import load_model_weights
+
+    trained = {k.removeprefix("net."): v for k, v in load_model_weights(checkpoint).items()}
+    start = time.perf_counter()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).state_dict()
+    from_pretrained_s = time.perf_counter() - start
+    differ = sorted(k for k, v in exported.items() if k not in trained or not torch.equal(v, trained[k]))
+    return {"equal": not differ and set(exported) == set(trained), "differ": differ[:5],
+            "tensors": len(exported), "from_pretrained_s": from_pretrained_s}
+
+
+# -- main ------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.part_list = [p for p in args.parts.split(",") if p]
+    args.matrix_list = parse_matrix(args.matrix)
+    if set(args.part_list) - {"load", "matrix", "export"}:
+        raise SystemExit(f"--parts takes load, matrix, export; got {args.parts!r}")
+    if "export" in args.part_list and "load" not in args.part_list:
+        raise SystemExit("--parts export needs load (it exports the load part's checkpoint)")
+    if args.steps < 3:
+        raise SystemExit("--steps must be at least 3 (memory is tracked at step 2)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.time_from_pretrained is not None:
+        print(json.dumps(time_from_pretrained(args.time_from_pretrained)))
+        return 0
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.report_only is not None:
+        print(report.write_outputs(args.out_dir, json.loads(args.report_only.read_text())))
+        return 0
+    start, load_start = time.perf_counter(), load_average()
+    print(f"pretrained_load: parts {args.parts}; load average {load_start}", flush=True)
+    saved: dict[str, Any] = {"load": None, "matrix": [], "export": None}
+    with tempfile.TemporaryDirectory(prefix="osdp-pretrained-load-") as tmp:
+        work = Path(tmp)
+        if "load" in args.part_list:
+            saved["load"] = load_part(args, work, export="export" in args.part_list)
+        if "export" in args.part_list:
+            saved["export"] = export_part(saved["load"], work)
+        if "matrix" in args.part_list:
+            saved["matrix"] = matrix_part(args, work)
+    machine = describe_machine(argparse.Namespace(accelerator="cpu", devices=2, rounds=args.repeats),
+                               {"seq_len": args.seq_len, "steps": args.steps}, None)
+    machine.update(command=" ".join(["./dev bench pretrained_load", *(argv if argv is not None else sys.argv[1:])]),
+                   load_average_start=load_start, load_average_end=load_average(),
+                   total_wall_s=round(time.perf_counter() - start, 1))
+    saved["machine"] = machine
+    print(report.write_outputs(args.out_dir, saved))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""osdp-train on one rank, recording what :mod:`benchmarks.pretrained_load` measures of that rank.
+
+Run on every rank at once (:func:`benchmarks.launch.run_ranks`), with osdp-train's overrides::
+
+    MALLOC_MMAP_THRESHOLD_=65536 python -m benchmarks.pretrained_load_worker model=hf_llama_110m \
+        meta_init=true model.pretrained=DIR cluster.memory_budget=50%ddp hydra.run.dir=RUN
+
+Runs ``osdp_lightning.cli.train`` unchanged and writes ``RUN/rank<N>.json`` at exit:
+
+- ``load``: the :class:`~osdp_lightning.pretrained.LoadReport` of this rank (seconds, bytes read,
+  tensors), when the strategy loaded pretrained weights (osdp-train logs rank 0's only);
+- ``hwm_after_steps_bytes``: the resident high-water mark (``VmHWM``) after the last training
+  step, before a checkpoint is written (and the resident set then: anonymous and file-backed pages);
+  ``hwm_bytes``: at exit;
+- ``setup_hwm_bytes``: at the start of ``fit`` (the model built, nothing planned or loaded yet).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from osdp_lightning.callbacks import TrainingSummary, process_status_bytes
+
+RECORD: dict[str, Any] = {}
+
+
+def run_dir(argv: list[str]) -> Path | None:
+    """The ``hydra.run.dir=...`` override of ``argv``."""
+    found = [a.split("=", 1)[1].strip("\"'") for a in argv if a.startswith("hydra.run.dir=")]
+    return Path(found[-1]) if found else None
+
+
+def _hwm_bytes() -> int:
+    return process_status_bytes("VmHWM").get("VmHWM", 0)
+
+
+def record_loads() -> None:
+    """Keep each rank's LoadReport (osdp-train prints rank 0's only). NOTE: ``load_pretrained`` passes
+    ``report.summary()`` to ``rank_zero_info`` on every rank: wrapping ``summary`` sees each rank's
+    report wherever the strategy calls it from."""
+    from osdp_lightning.pretrained import LoadReport
+
+    summary = LoadReport.summary
+
+    def recording(report: LoadReport) -> str:
+        fields = dataclasses.asdict(report)
+        RECORD["load"] = {k: fields[k] for k in ("path", "loaded", "cast", "bytes_read", "load_s")}
+        RECORD["load"]["file_bytes"] = sum(os.path.getsize(f) for f in report.files)
+        RECORD["load"]["hwm_after_load_bytes"] = _hwm_bytes()
+        return summary(report)
+
+    LoadReport.summary = recording  # type: ignore[method-assign]
+
+
+def record_high_water() -> None:
+    """VmHWM at the start of ``fit`` and after every training step (the last one is kept)."""
+    start, step_end = TrainingSummary.on_fit_start, TrainingSummary.on_train_batch_end
+
+    def on_fit_start(self: TrainingSummary, *args: Any) -> None:
+        RECORD["setup_hwm_bytes"] = _hwm_bytes()
+        start(self, *args)
+
+    def on_train_batch_end(self: TrainingSummary, *args: Any) -> None:
+        step_end(self, *args)
+        RECORD["hwm_after_steps_bytes"] = _hwm_bytes()
+        RECORD["resident_after_steps"] = process_status_bytes("RssAnon", "RssFile")
+
+    TrainingSummary.on_fit_start = on_fit_start  # type: ignore[method-assign]
+    TrainingSummary.on_train_batch_end = on_train_batch_end  # type: ignore[method-assign]
+
+
+def write_record(directory: Path) -> None:
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    record = {"rank": rank, **RECORD, "hwm_bytes": _hwm_bytes(),
+              "vm_data_bytes": process_status_bytes("VmData").get("VmData", 0)}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"rank{rank}.json").write_text(json.dumps(record, default=str) + "\n")
+
+
+def main() -> None:
+    directory = run_dir(sys.argv[1:])
+    if directory is not None:
+        atexit.register(write_record, directory)
+    record_loads()
+    record_high_water()
+    from osdp_lightning.cli.train import main as train_main
+
+    train_main()
+
+
+if __name__ == "__main__":
+    main()
