@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from osdp_lightning.profile import tensors_in
 from osdp_lightning.split import SplitLinear
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -75,17 +76,9 @@ def as_lightning_step(module: nn.Module, optimizer: torch.optim.Optimizer | None
 def _summed_outputs(module: nn.Module, batch: Any, _index: int) -> torch.Tensor:
     """A stand-in loss: the sum of every output tensor (what profiling backpropagates without one)."""
     out = module(*batch) if isinstance(batch, tuple) else module(batch)
-    return sum(t.float().sum() for t in _tensors(out))  # type: ignore[return-value]
+    return sum(t.float().sum() for t in tensors_in(out))  # type: ignore[return-value]
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 def parameter_names(module: nn.Module) -> dict[int, str]:

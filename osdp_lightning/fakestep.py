@@ -157,11 +157,12 @@ def step_runner(module: nn.Module, batch: object, precision: str = "32-true") ->
     def run_forward() -> torch.Tensor:
         with context():
             out = module(*batch) if isinstance(batch, tuple) else module(batch)
-        return sum(t.float().sum() for t in _flat_tensors(out))
+        return sum(t.float().sum() for t in flat_tensors(out))
     return run_forward
 
 
-def _flat_tensors(obj: object) -> list[torch.Tensor]:
+def flat_tensors(obj: object) -> list[torch.Tensor]:
+    """Every tensor inside ``obj`` (any pytree: tuples, dicts, dataclasses torch knows)."""
     found: list[torch.Tensor] = []
     tree_map_only(torch.Tensor, found.append, obj)
     return found
@@ -275,7 +276,7 @@ class _BackwardFlops:
 
     def _record(self, name: str) -> Callable:
         def hook(_mod: nn.Module, args: tuple, kwargs: dict, out: object) -> None:
-            needing = [[t for t in _flat_tensors(obj) if t.requires_grad] for obj in (out, (args, kwargs))]
+            needing = [[t for t in flat_tensors(obj) if t.requires_grad] for obj in (out, (args, kwargs))]
             self._calls.append((name, *needing))
         return hook
 
@@ -360,7 +361,7 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
-        for tensor in _flat_tensors(out):
+        for tensor in flat_tensors(out):
             storage = storage_of(tensor)
             key = storage._cdata
             if key not in self.live and key not in self.existing:

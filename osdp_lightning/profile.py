@@ -454,7 +454,7 @@ def loss_runner(module: nn.Module, batch: object | None,
             with step_context(), _profiling():
                 args = example if isinstance(example, tuple) else (example,)
                 out = module(*args)
-            return sum(t.float().sum() for t in _tensors(out))
+            return sum(t.float().sum() for t in tensors_in(out))
         return run_forward
 
     def run_training_step() -> torch.Tensor:
@@ -507,21 +507,22 @@ def logging_disabled(module: nn.Module) -> Iterator[None]:
             delattr(module, name)
 
 
-def _tensors(obj: object) -> list[torch.Tensor]:
+def tensors_in(obj: object) -> list[torch.Tensor]:
+    """Every tensor inside ``obj`` (nested dicts, lists and tuples)."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
+        return [t for v in obj.values() for t in tensors_in(v)]
     if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
+        return [t for v in obj for t in tensors_in(v)]
     return []
 
 
 def tensor_bytes(obj: object) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(obj))
+    return sum(t.numel() * t.element_size() for t in tensors_in(obj))
 
 
 def batch_size_of(batch: object) -> int:
     """Samples in ``batch``: the first dimension of its first tensor (1 when there is none)."""
-    tensors = _tensors(batch)
+    tensors = tensors_in(batch)
     return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else 1

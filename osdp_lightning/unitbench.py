@@ -33,7 +33,7 @@ from itertools import chain
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from osdp_lightning.choices import ChoiceOptions
 from osdp_lightning.estimate import estimate_profile
@@ -43,6 +43,7 @@ from osdp_lightning.fakestep import (
     fake_batch,
     fake_mode,
     fake_step_errors,
+    flat_tensors,
     step_runner,
 )
 from osdp_lightning.guards import preserved_rng
@@ -185,7 +186,7 @@ class _UnitBench(nn.Module):
     def forward(self) -> object:
         # NOTE: a fresh copy of every object around the tensors for each repeat: a forward that
         # writes into an argument (a dict of memos, a cache) must not see an earlier repeat's writes.
-        args, kwargs = copy.deepcopy(self.call, memo={id(t): t for t in _flat_tensors(self.call)})
+        args, kwargs = copy.deepcopy(self.call, memo={id(t): t for t in flat_tensors(self.call)})
         return getattr(self, BENCH_NAME)(*args, **kwargs)
 
 
@@ -231,10 +232,6 @@ def measure_unit(template: nn.Module, spec: UnitSpec, call: tuple[tuple, dict], 
     if not found:
         raise UnitMeasureError(f"osdp measured unit {spec.name!r} apart from the model, but its forward never ran")
     return found[0]
-
-
-def _flat_tensors(obj: object) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
 def _random_input(spec: InputSpec, device: torch.device) -> torch.Tensor:
