@@ -163,9 +163,11 @@ def large_model(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     common += [f"data.seq_len={args.large_seq_len}"] if args.large_seq_len else []
     big = train_cli([*LARGE_OVERRIDES, *common], work, "large", 3 * args.run_timeout_s)
     print(hf_models_report.large_progress(big, "hf_llama_110m"), flush=True)
-    budget = (big.get("summary") or {}).get("memory_budget_bytes")
-    tiny_budget = [f"cluster.memory_budget={budget}"] if budget else []
-    tiny = train_cli([*LARGE_OVERRIDES, *common, *TINY_LLAMA, *tiny_budget], work, "fixed_cost", args.run_timeout_s)
+    # NOTE: the large model's budget in bytes (a share of a tiny model's DDP peak fits nothing);
+    # 1 GiB when it did not run, which a 1 x 16 Llama fits many times over.
+    budget = (big.get("summary") or {}).get("memory_budget_bytes") or 2**30
+    tiny = train_cli([*LARGE_OVERRIDES, *common, *TINY_LLAMA, f"cluster.memory_budget={budget}"], work, "fixed_cost",
+                     args.run_timeout_s)
     print(hf_models_report.large_progress(tiny, "1 x 16 Llama (fixed cost)"), flush=True)
     return {"large": big, "fixed": tiny, "command": " ".join(["MALLOC_MMAP_THRESHOLD_=65536 ./dev train",
                                                               *LARGE_OVERRIDES, *common])}

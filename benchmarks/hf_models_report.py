@@ -247,6 +247,9 @@ def render(saved: dict[str, Any]) -> str:
              f"- models: {', '.join(m.get('families', []))} at {shape}; {m.get('steps')} steps a launch, "
              f"{m.get('rounds')} round(s)", ""]
     runs = saved.get("train") or []
+    params = {r["family"]: r["param_count"] for r in runs if r.get("param_count")}
+    if params:
+        lines.insert(-1, "- parameters: " + ", ".join(f"{f} {n / 1e6:.2f}M" for f, n in params.items()))
     if runs:
         verdicts = [family_verdicts(runs, fam, shape.get("vocab_size", 384)) for fam in m.get("families", [])]
         lines += ["## Training: osdp against Lightning's DDP", "", *train_table(runs), "",

@@ -64,6 +64,18 @@ SHARE_BUDGET = "60%ddp"
 ABOVE_SMALLEST = 1.05
 
 
+class Progress:
+    """The records so far, written after every launch (``machine.complete`` false until the end): a
+    run stopped part-way keeps what it measured, and ``--report-only`` renders it."""
+    saved: dict[str, Any] = {}
+    path: Path | None = None
+
+    @classmethod
+    def write(cls) -> None:
+        if cls.path is not None:
+            cls.path.write_text(json.dumps(cls.saved, indent=1, default=str) + "\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pretrained_load", description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="load,matrix,export")
@@ -145,14 +157,16 @@ def train(overrides: list[str], work: Path, label: str, timeout_s: float, mmap: 
     record.update(label=label, overrides=list(overrides), wall_s=round(time.perf_counter() - start, 1),
                   load_average=load_average())
     print(report.progress_line(record), flush=True)
+    Progress.write()
     return record
 
 
 # -- the parts ---------------------------------------------------------------------------------
-def load_part(args: argparse.Namespace, work: Path, export: bool) -> dict[str, Any]:
-    """The 110M model: from_pretrained timings, osdp launches, the eager and ddp launches, the fixed costs."""
+def load_part(args: argparse.Namespace, work: Path, export: bool, saved: dict[str, Any]) -> None:
+    """The 110M model into ``saved``: from_pretrained timings, osdp launches, the eager and ddp launches,
+    the fixed costs."""
     pretrained = work / "llama110m"
-    saved: dict[str, Any] = {"model": save_model("hf_llama_110m", args.model_overrides.split(), pretrained, seed=0)}
+    saved["model"] = save_model("hf_llama_110m", args.model_overrides.split(), pretrained, seed=0)
     base = ["model=hf_llama_110m", f"model.pretrained={pretrained}", f"data.seq_len={args.seq_len}",
             f"trainer.max_steps={args.steps}"]
     budget = f"cluster.memory_budget={args.budget}"
@@ -177,28 +191,26 @@ def load_part(args: argparse.Namespace, work: Path, export: bool) -> dict[str, A
     if not args.no_ddp:
         saved["ddp"] = {**train([*base, "strategy=ddp"], work, "ddp", args.run_timeout_s, mmap=True), "fixed_kind": "ddp"}
     budget_bytes = (solved.get("summary") or {}).get("memory_budget_bytes")
-    saved["fixed"] = fixed_costs(args, work, f"{budget_bytes}B" if budget_bytes else args.budget)
-    return saved
+    saved["fixed"] = {}
+    fixed_costs(args, work, f"{budget_bytes}B" if budget_bytes else args.budget, saved["fixed"])
 
 
-def fixed_costs(args: argparse.Namespace, work: Path, budget: str) -> dict[str, dict[str, Any]]:
+def fixed_costs(args: argparse.Namespace, work: Path, budget: str, fixed: dict[str, dict[str, Any]]) -> None:
     """A 1 x 16 Llama through each command the 110M model ran: solving, from a saved plan, Lightning's ddp."""
     tiny = work / "tiny"
     save_model("hf_llama_110m", list(TINY_LLAMA), tiny, seed=0)
     base = ["model=hf_llama_110m", f"model.pretrained={tiny}", f"data.seq_len={args.seq_len}",
             f"trainer.max_steps={args.steps}"]
     meta = [*base, "meta_init=true", f"cluster.memory_budget={budget}"]
-    fixed = {"solve": train(meta, work, "fixed_solve", args.run_timeout_s, mmap=True)}
+    fixed["solve"] = train(meta, work, "fixed_solve", args.run_timeout_s, mmap=True)
     fixed["plan"] = train([*meta, f"strategy.plan={work / 'fixed_solve' / 'plan.json'}"], work, "fixed_plan",
                           args.run_timeout_s, mmap=True)
     if not args.no_ddp:
         fixed["ddp"] = train([*base, "strategy=ddp"], work, "fixed_ddp", args.run_timeout_s, mmap=True)
-    return fixed
 
 
-def matrix_part(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
-    """Per (family, shape): the probe, ddp, then osdp at two budgets x three ways of building."""
-    records: list[dict[str, Any]] = []
+def matrix_part(args: argparse.Namespace, work: Path, records: list[dict[str, Any]]) -> None:
+    """Per (family, shape), into ``records``: the probe, ddp, then osdp at two budgets x three ways of building."""
     for family, batch, seq in args.matrix_list:
         model, case = FAMILIES[family], f"{family} {batch}x{seq}"
         pretrained = work / f"{family}_pretrained"
@@ -215,9 +227,9 @@ def matrix_part(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
             record = train([*common, *overrides], work, slug, args.run_timeout_s)
             record.update(family=family, case=case, run=label)
             records.append(record)
+            Progress.write()
             if i == 0:
                 jobs += matrix_jobs(record.get("smallest_feasible_bytes"), from_dir, f"+strategy.pretrained={pretrained}")
-    return records
 
 
 def parse_matrix(text: str) -> list[tuple[str, int, int]]:
@@ -307,21 +319,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start, load_start = time.perf_counter(), load_average()
     print(f"pretrained_load: parts {args.parts}; load average {load_start}", flush=True)
-    saved: dict[str, Any] = {"load": None, "matrix": [], "export": None}
-    with tempfile.TemporaryDirectory(prefix="osdp-pretrained-load-") as tmp:
-        work = Path(tmp)
-        if "load" in args.part_list:
-            saved["load"] = load_part(args, work, export="export" in args.part_list)
-        if "export" in args.part_list:
-            saved["export"] = export_part(saved["load"], work)
-        if "matrix" in args.part_list:
-            saved["matrix"] = matrix_part(args, work)
     machine = describe_machine(argparse.Namespace(accelerator="cpu", devices=2, rounds=args.repeats),
                                {"seq_len": args.seq_len, "steps": args.steps}, None)
     machine.update(command=" ".join(["./dev bench pretrained_load", *(argv if argv is not None else sys.argv[1:])]),
-                   load_average_start=load_start, load_average_end=load_average(),
-                   total_wall_s=round(time.perf_counter() - start, 1))
-    saved["machine"] = machine
+                   load_average_start=load_start, complete=False)
+    saved: dict[str, Any] = {"load": None, "matrix": [], "export": None, "machine": machine}
+    Progress.saved, Progress.path = saved, args.out_dir / "pretrained_load_runs.json"
+    with tempfile.TemporaryDirectory(prefix="osdp-pretrained-load-") as tmp:
+        work = Path(tmp)
+        if "load" in args.part_list:
+            saved["load"] = {}
+            load_part(args, work, "export" in args.part_list, saved["load"])
+        if "export" in args.part_list:
+            saved["export"] = export_part(saved["load"], work)
+            Progress.write()
+        if "matrix" in args.part_list:
+            matrix_part(args, work, saved["matrix"])
+    machine.update(load_average_end=load_average(), total_wall_s=round(time.perf_counter() - start, 1), complete=True)
     print(report.write_outputs(args.out_dir, saved))
     return 0
 

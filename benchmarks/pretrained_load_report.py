@@ -244,7 +244,9 @@ def render(saved: dict[str, Any]) -> str:
            f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('memory_gib', '?')} GiB; torch "
            f"{m.get('torch', '?')}, Python {m.get('python', '?')}; {m.get('date', '?')}, commit {m.get('commit', '?')}; "
            f"load average {m.get('load_average_start', '?')} at the start, {m.get('load_average_end', '?')} at the end; "
-           f"{m.get('total_wall_s', 0) / 60:.0f} minutes.", "", f"`{m.get('command', '')}`", "", "## Verdicts", "",
+           f"{m.get('total_wall_s', 0) / 60:.0f} minutes.", "", f"`{m.get('command', '')}`", "",
+           *(["**The run stopped part-way: what follows is what it measured.**", ""] if m.get("complete") is False
+             else []), "## Verdicts", "",
            *verdicts(saved), ""]
     load = saved.get("load")
     if load:
