@@ -93,6 +93,7 @@ def test_pretrained_directory_gives_back_the_saved_weights(tmp_path: Path, monke
     torch.manual_seed(1)  # a different draw: only the files can make the weights equal
     loaded = instantiate(cfg.model, pretrained=str(tmp_path / "llama"))
     assert loaded.pretrained == str(tmp_path / "llama")
+    assert loaded.net.training  # from_pretrained returns eval mode: dropout and checkpointing would be off
     expected = saved.state_dict()
     assert loaded.net.state_dict().keys() == expected.keys()
     assert all(torch.equal(t, expected[k]) for k, t in loaded.net.state_dict().items())

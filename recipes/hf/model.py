@@ -36,6 +36,9 @@ def build_causal_lm(model_type: str, hf_config: Mapping[str, Any], pretrained: s
         # NOTE: transformers keeps the dtype the weights were saved in; the optimizer and Lightning's
         # precision plugins expect float32 parameters.
         net = net.to(torch.float32)
+        # NOTE: from_pretrained returns the model in eval mode, which Lightning keeps: dropout would be
+        # off and Hugging Face blocks would not checkpoint. A model built from a config trains.
+        net.train()
     else:
         config = (hf.AutoConfig.from_pretrained(pretrained, local_files_only=True) if pretrained is not None
                   else hf.AutoConfig.for_model(model_type, **hf_config))
