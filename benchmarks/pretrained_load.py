@@ -170,7 +170,8 @@ def load_part(args: argparse.Namespace, work: Path, export: bool, saved: dict[st
     base = ["model=hf_llama_110m", f"model.pretrained={pretrained}", f"data.seq_len={args.seq_len}",
             f"trainer.max_steps={args.steps}"]
     budget = f"cluster.memory_budget={args.budget}"
-    saved["command"] = " ".join(["MALLOC_MMAP_THRESHOLD_=65536 ./dev train", *base, "meta_init=true", budget, *SMOKE])
+    shown = [o.replace(str(pretrained), "DIR") for o in base]
+    saved["command"] = " ".join(["MALLOC_MMAP_THRESHOLD_=65536 ./dev train", *shown, "meta_init=true", budget, *SMOKE])
     if args.probe_budget:
         saved["probe"] = train([*base, "meta_init=true", f"cluster.memory_budget={args.probe_budget}"], work,
                                "probe", args.run_timeout_s, mmap=True)

@@ -246,7 +246,7 @@ def render(saved: dict[str, Any]) -> str:
            f"load average {m.get('load_average_start', '?')} at the start, {m.get('load_average_end', '?')} at the end; "
            f"{m.get('total_wall_s', 0) / 60:.0f} minutes.", "", f"`{m.get('command', '')}`", "",
            *(["**The run stopped part-way: what follows is what it measured.**", ""] if m.get("complete") is False
-             else []), "## Verdicts", "",
+             else []), *[line for note in saved.get("notes", []) for line in (note, "")], "## Verdicts", "",
            *verdicts(saved), ""]
     load = saved.get("load")
     if load:
