@@ -43,13 +43,12 @@ from osdp_lightning.guards import preserved_rng
 from osdp_lightning.lightning_compat import BackwardSyncControl, FabricScriptLauncher, default_pg_timeout
 from osdp_lightning.optim_state import configured_optimizer
 from osdp_lightning.plan import Plan
-from osdp_lightning.profile import ModelProfile, is_profiling
 from osdp_lightning.report import format_comparison
-from osdp_lightning.setup_core import ConfigOptions, OSDPSetup, Ranks, RootWrapper, StepInputs
+from osdp_lightning.setup_core import ConfigOptions, OSDPSetup, Ranks, RootWrapper, SetupView, StepInputs
 from osdp_lightning.shutdown import release_at_exit
 
 
-class OSDPFabricStrategy(ConfigOptions, ModelParallelStrategy):
+class OSDPFabricStrategy(ConfigOptions, SetupView, ModelParallelStrategy):
     """Optimal Sharded Data Parallel for Lightning Fabric: the Trainer strategy's plans, for your own loop.
 
     Args:
@@ -104,21 +103,6 @@ class OSDPFabricStrategy(ConfigOptions, ModelParallelStrategy):
         if self._root is None:
             raise RuntimeError("the osdp strategy has no model yet: call `fabric.setup(model, ...)` first")
         return self._root.module
-
-    @property
-    def profiling(self) -> bool:
-        """``True`` while the strategy runs the step to measure it, not to train."""
-        return is_profiling()
-
-    @property
-    def profile(self) -> ModelProfile | None:
-        """The measured profile (``None`` before setup and when the plan was given)."""
-        return self._core.profile if self._core is not None else None
-
-    @property
-    def profiled_whole(self) -> bool:
-        """Whether setup profiled the whole model (``False``: from shapes, as a meta-built model is)."""
-        return self._core.profile_whole if self._core is not None else True
 
     @property
     def setup_s(self) -> dict[str, float]:

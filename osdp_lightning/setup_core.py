@@ -52,7 +52,7 @@ from osdp_lightning.plan import Plan
 from osdp_lightning.planner import Planner, PlanOptions
 from osdp_lightning.precision import check_plan_precision
 from osdp_lightning.pretrained import load_pretrained
-from osdp_lightning.profile import ModelProfile
+from osdp_lightning.profile import ModelProfile, is_profiling
 from osdp_lightning.step_terms import StepTerms, default_loop_step_s
 
 
@@ -68,6 +68,27 @@ class ConfigField:
 
     def __set__(self, strategy: Any, value: Any) -> None:
         strategy.config = strategy.config.with_options(**{self.name: value})
+
+
+class SetupView:
+    """What both strategies show of their setup (``_core``: the :class:`OSDPSetup`, ``None`` before it)."""
+
+    _core: OSDPSetup | None
+
+    @property
+    def profiling(self) -> bool:
+        """``True`` while the strategy runs the step to measure it, not to train (see README)."""
+        return is_profiling()
+
+    @property
+    def profile(self) -> ModelProfile | None:
+        """The measured profile (``None`` before setup and when the plan was given)."""
+        return self._core.profile if self._core is not None else None
+
+    @property
+    def profiled_whole(self) -> bool:
+        """Whether setup profiled the whole model (``False``: from shapes, as a meta-built model is)."""
+        return self._core.profile_whole if self._core is not None else True
 
 
 class ConfigOptions:

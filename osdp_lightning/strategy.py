@@ -36,16 +36,15 @@ from osdp_lightning.lightning_compat import TrainerScriptLauncher, default_pg_ti
 from osdp_lightning.optim_state import configured_optimizer
 from osdp_lightning.plan import Plan
 from osdp_lightning.precision import sharded_precision
-from osdp_lightning.profile import ModelProfile, is_profiling
 from osdp_lightning.report import format_comparison, log_plan
-from osdp_lightning.setup_core import ConfigOptions, OSDPSetup, Ranks, RootWrapper, StepInputs
+from osdp_lightning.setup_core import ConfigOptions, OSDPSetup, Ranks, RootWrapper, SetupView, StepInputs
 from osdp_lightning.setup_inputs import current_batch_size, first_training_batch, set_batch_size
 from osdp_lightning.shutdown import release_at_exit
 
 __all__ = ["OSDPStrategy", "RootWrapper"]
 
 
-class OSDPStrategy(ConfigOptions, ModelParallelStrategy):
+class OSDPStrategy(ConfigOptions, SetupView, ModelParallelStrategy):
     """Optimal Sharded Data Parallel: per-module replicate / zero2 / zero3 / split, chosen by an ILP
     under a per-rank memory budget and applied with FSDP2.
 
@@ -91,22 +90,7 @@ class OSDPStrategy(ConfigOptions, ModelParallelStrategy):
         """The plan, or ``None`` before setup (what the training summary reads of any strategy)."""
         return self._core.plan if self._core is not None else None
 
-    @property
-    def profiling(self) -> bool:
-        """``True`` while the strategy runs ``training_step`` to measure it, not to train (see README)."""
-        return is_profiling()
-
-    @property
-    def profile(self) -> ModelProfile | None:
-        """The measured profile (``None`` when the plan was given)."""
-        return self._core.profile if self._core is not None else None
-
-    @property
-    def profiled_whole(self) -> bool:
-        """Whether setup profiled the whole model (``False``: from shapes; see the README)."""
-        return self._core.profile_whole if self._core is not None else True
-
-    _profile_whole = profiled_whole
+    _profile_whole = SetupView.profiled_whole
 
     @property
     def timings(self) -> CollectiveTimings:
