@@ -27,8 +27,8 @@ from typing import Any
 
 from benchmarks.compare import load_average, source_commit
 from benchmarks.launch import run_ranks
-from osdp_lightning.budget import format_bytes, parse_bytes
 from osdp_lightning.calibrate.bench import rotated
+from osdp_lightning.cost.budget import format_bytes, parse_bytes
 
 METHODS = ("ddp", "fsdp2", "fsdp2-ckpt", "osdp")
 

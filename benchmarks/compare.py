@@ -32,6 +32,7 @@ from osdp_lightning.recipes.text import python_docs_corpus
 
 from benchmarks import compare_report
 from benchmarks.launch import run_ranks
+from benchmarks.runs_file import read_runs
 from osdp_lightning.calibrate import CACHE_DRAWS
 from osdp_lightning.calibrate.bench import rotated
 
@@ -91,7 +92,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, name: str, run_timeout_s:
     parser.add_argument("--out-dir", type=Path, default=Path(f"bench_out/{name}"))
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--report-only", type=Path, default=None, metavar="RUNS_JSON",
-                        help=f"re-render the tables and plot of an earlier {name}_runs.json into --out-dir")
+                        help=f"re-render the tables and plot of an earlier {name}_runs.json (or .json.gz) into --out-dir")
 
 
 def resolve_defaults(args: argparse.Namespace) -> None:
@@ -272,7 +273,7 @@ def source_commit() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.report_only is not None:
-        saved = json.loads(args.report_only.read_text())
+        saved = read_runs(args.report_only)
         args.out_dir.mkdir(parents=True, exist_ok=True)
         rows = compare_report.aggregate(saved["runs"], saved["machine"]["replicate_peak_bytes"])
         print(compare_report.write_outputs(args.out_dir, saved["machine"], rows, saved["runs"], plot=not args.no_plot))

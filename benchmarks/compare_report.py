@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from osdp_lightning.plan import counts_text
+from osdp_lightning.plan.plan import counts_text
 
 MIB = 2**20
 MEM_ERROR_TARGET, STEP_ERROR_TARGET = 0.05, 0.20

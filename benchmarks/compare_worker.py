@@ -35,9 +35,9 @@ from torch.distributed.fsdp import fully_shard
 
 import osdp_lightning  # noqa: F401  (registers strategy="osdp")
 from osdp_lightning import InfeasibleBudgetError, OSDPStrategy, TrainingSummary
-from osdp_lightning.callbacks import process_status_bytes
 from osdp_lightning.choices import BASELINES, resolve
-from osdp_lightning.shutdown import release_at_exit
+from osdp_lightning.integration.callbacks import process_status_bytes
+from osdp_lightning.runtime.shutdown import release_at_exit
 
 METHODS = {**{name: str(resolve(name)) for name in BASELINES if name != "ddp"}, "osdp-replicate": "replicate",
            "osdp": None, "osdp-default": None}

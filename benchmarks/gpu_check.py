@@ -39,11 +39,12 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from osdp_lightning import ClusterSpec, OSDPStrategy, TrainingSummary, format_bytes, make_plan
-from osdp_lightning.apply import apply_plan, build_meshes, step_groups_apart
-from osdp_lightning.pipeline import ProfileOptions, profile_model
-from osdp_lightning.plan import InfeasibleBudgetError, Plan
-from osdp_lightning.profile import ModelProfile, logging_disabled
-from osdp_lightning.strategy import RootWrapper
+from osdp_lightning.apply.apply import apply_plan, step_groups_apart
+from osdp_lightning.integration.strategy import RootWrapper
+from osdp_lightning.plan.pipeline import ProfileOptions, profile_model
+from osdp_lightning.plan.plan import InfeasibleBudgetError, Plan
+from osdp_lightning.profiling.profile import ModelProfile, logging_disabled
+from osdp_lightning.runtime.meshes import build_meshes
 
 UNIFORM = ("replicate", "zero2", "zero3", "zero3+ckpt")
 

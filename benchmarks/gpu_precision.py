@@ -7,7 +7,7 @@ default). At each world size, under PyTorch's ``fake`` process group on one devi
 nothing, every FSDP2 buffer is really allocated), each layout trains a few steps under autocast:
 
 - osdp's uniform zero3 plan, and the ILP's plan under a budget halfway between all-replicate's and
-  all-zero3's predicted peaks, applied by :func:`osdp_lightning.apply.apply_plan`;
+  all-zero3's predicted peaks, applied by :func:`osdp_lightning.apply.apply.apply_plan`;
 - FSDP2 by hand, as torchtitan and Lightning's docs write it: ``fully_shard`` on each block, then on
   the model, every call with the bf16 policy.
 
@@ -34,11 +34,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from benchmarks.gpu_check import _release, module_factory, real_batch
 from osdp_lightning import ClusterSpec, format_bytes, make_plan
-from osdp_lightning.apply import apply_plan, build_meshes, step_groups_apart
-from osdp_lightning.pipeline import ProfileOptions, profile_model
-from osdp_lightning.plan import InfeasibleBudgetError, Plan
-from osdp_lightning.profile import ModelProfile, logging_disabled
-from osdp_lightning.strategy import RootWrapper
+from osdp_lightning.apply.apply import apply_plan, step_groups_apart
+from osdp_lightning.integration.strategy import RootWrapper
+from osdp_lightning.plan.pipeline import ProfileOptions, profile_model
+from osdp_lightning.plan.plan import InfeasibleBudgetError, Plan
+from osdp_lightning.profiling.profile import ModelProfile, logging_disabled
+from osdp_lightning.runtime.meshes import build_meshes
 
 HAND_POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 TIMED_STEPS = {"cuda": 5, "cpu": 2}

@@ -3,7 +3,7 @@ shapes against the whole profile, and a model whose DDP state does not fit its b
 
     ./dev bench hf_models [--families llama,gpt2,neox,bert,t5] [--layers 4 --width 256 --seq-len 128
                           --batch-size 4] [--rounds 1] [--parts train,paths,large] [--out-dir DIR]
-    ./dev bench hf_models --report-only DIR/hf_models_runs.json --out-dir DIR   # tables again, no runs
+    ./dev bench hf_models --report-only DIR/hf_models_runs.json[.gz] --out-dir DIR   # tables again, no runs
 
 Three parts, each optional (``--parts``):
 
@@ -39,6 +39,7 @@ from benchmarks import hf_models_report
 from benchmarks.compare import describe_machine, load_average
 from benchmarks.hf_worker import FAMILIES, Shape
 from benchmarks.launch import run_ranks
+from benchmarks.runs_file import read_runs
 from osdp_lightning.calibrate.bench import rotated
 
 PROBE_BUDGET = "5%ddp"
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
     parser.add_argument("--out-dir", type=Path, default=Path("bench_out/hf_models"))
     parser.add_argument("--report-only", type=Path, default=None, metavar="RUNS_JSON",
-                        help="render the report of an earlier hf_models_runs.json into --out-dir")
+                        help="render the report of an earlier hf_models_runs.json (or .json.gz) into --out-dir")
     return parser
 
 
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.report_only is not None:
-        saved = json.loads(args.report_only.read_text())
+        saved = read_runs(args.report_only)
         print(hf_models_report.write_outputs(args.out_dir, saved))
         return 0
     start, load_start = time.perf_counter(), load_average()

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from benchmarks.hf_worker import HFBenchModule, Shape, token_sequences
-from osdp_lightning.optim_state import configured_optimizer
-from osdp_lightning.pipeline import ProfileOptions, profile_model
-from osdp_lightning.profile import ModelProfile
+from osdp_lightning.plan.pipeline import ProfileOptions, profile_model
+from osdp_lightning.profiling.optim_state import configured_optimizer
+from osdp_lightning.profiling.profile import ModelProfile
 
 WAYS = ("whole", "shapes")
 _BLOCK = re.compile(r"\.\d+$")

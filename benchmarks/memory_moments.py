@@ -1,6 +1,6 @@
 """Where a step peaks, unit by unit: the memory model's moments beside FSDPMemTracker's.
 
-    python -m benchmarks.memory_moments docs/benchmarks/hand_fsdp2_default/compare_runs.json
+    python -m benchmarks.memory_moments docs/benchmarks/hand_fsdp2_default/compare_runs.json.gz
     python -m benchmarks.memory_moments run.json --method osdp     (a compare_worker output)
 
 For every osdp run of an ``osdp-bench`` runs file (or one ``compare_worker`` record) that kept its
@@ -16,11 +16,11 @@ is trained: a change to the memory model shows here moment by moment.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from benchmarks.reprice_memory import priced_plan
+from benchmarks.runs_file import read_runs
 from osdp_lightning.solve import moment_bytes
 
 MIB = 2**20
@@ -28,7 +28,7 @@ MIB = 2**20
 
 def runs_of(path: Path, method: str | None = None) -> list[dict[str, Any]]:
     """The runs of a runs file, or the one record of a worker output, that kept module memory."""
-    data = json.loads(path.read_text())
+    data = read_runs(path)
     runs = data["runs"] if isinstance(data, dict) and "runs" in data else data if isinstance(data, list) else [data]
     return [r for r in runs if r.get("status") == "ok" and r.get("plan") and r.get("profile")
             and r.get("summary", {}).get("module_memory") and (method is None or r["method"] == method)]
@@ -85,7 +85,7 @@ def table_of(run: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", type=Path, nargs="+", help="compare_runs.json files or compare_worker outputs")
+    parser.add_argument("runs", type=Path, nargs="+", help="compare_runs.json(.gz) files or compare_worker outputs")
     parser.add_argument("--method", default=None, help="only runs of this method (e.g. osdp, zero3)")
     args = parser.parse_args()
     tables = [table_of(run) for path in args.runs for run in runs_of(path, args.method)]

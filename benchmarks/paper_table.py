@@ -3,7 +3,7 @@
     python benchmarks/paper_table.py                  # writes docs/paper_settings.md
     python benchmarks/paper_table.py --out table.md   # elsewhere
 
-Every figure is a dry-run estimate (:mod:`osdp_lightning.dryrun`): the model is built on fake
+Every figure is a dry-run estimate (:mod:`osdp_lightning.plan.dryrun`): the model is built on fake
 tensors, its FLOPs are counted and turned into seconds with the cluster config's peak FLOP/s
 times ``DEFAULT_COMPUTE_EFFICIENCY``, and communication comes from the config's bandwidths. No
 GPU is used. The settings follow the OSDP authors' scripts (github.com/Youhe-Jiang/
@@ -21,18 +21,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from osdp_lightning.budget import format_bytes
 from osdp_lightning.choices import resolve
-from osdp_lightning.cluster import ClusterSpec, describe_cluster, load_cluster_spec
-from osdp_lightning.dryrun import (
+from osdp_lightning.cost.budget import format_bytes
+from osdp_lightning.cost.cluster import ClusterSpec, describe_cluster, load_cluster_spec
+from osdp_lightning.plan.dryrun import (
     DEFAULT_COMPUTE_EFFICIENCY,
     compose_config,
     dry_run_plan,
     estimate_profile,
     recipe_model_and_batch,
 )
-from osdp_lightning.plan import InfeasibleBudgetError, Plan
-from osdp_lightning.profile import ModelProfile
+from osdp_lightning.plan.plan import InfeasibleBudgetError, Plan
+from osdp_lightning.profiling.profile import ModelProfile
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "paper_settings.md"
 STRATEGIES = {"osdp": None, "zero3": str(resolve("zero3")), "ddp": str(resolve("ddp"))}

@@ -2,7 +2,7 @@
 
     ./dev bench pretrained_load [--parts load,matrix,export] [--budget 70%ddp] [--repeats 3]
                                 [--matrix llama:2x64,gpt2:2x64,llama:1x32] [--out-dir docs/benchmarks/pretrained_load]
-    ./dev bench pretrained_load --report-only DIR/pretrained_load_runs.json --out-dir DIR
+    ./dev bench pretrained_load --report-only DIR/pretrained_load_runs.json[.gz] --out-dir DIR
 
 Nothing is downloaded: every model is ``save_pretrained`` from a config into a temporary directory.
 Every launch is osdp-train (:mod:`benchmarks.pretrained_load_worker`: each rank's LoadReport and
@@ -12,7 +12,7 @@ resident high-water mark too), both ranks started at once (:mod:`benchmarks.laun
   processes, ``AutoModelForCausalLM.from_pretrained(DIR)`` timed 3 times (median), alone and
   followed by reading every weight once. Then osdp-train ``meta_init=true model.pretrained=DIR`` at
   ``--budget`` (a budget its DDP state does not fit) with ``MALLOC_MMAP_THRESHOLD_=65536`` as
-  docs/benchmarks.md section 10 measures memory: the first launch solves the plan, the next
+  docs/benchmarks/capacity/README.md measures memory: the first launch solves the plan, the next
   ``--repeats - 1`` train from it (``strategy.plan=``). The same plan built eagerly with
   ``from_pretrained`` on every rank, Lightning's ``ddp`` from the same directory, and a 1 x 16
   Llama through each of those commands (the fixed cost: interpreter, torch, gloo, Lightning,
@@ -44,6 +44,7 @@ from typing import Any
 from benchmarks import pretrained_load_report as report
 from benchmarks.compare import describe_machine, load_average
 from benchmarks.launch import run_ranks
+from benchmarks.runs_file import read_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -94,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--matrix-steps", type=int, default=8)
     parser.add_argument("--run-timeout-s", type=float, default=1800.0)
     parser.add_argument("--out-dir", type=Path, default=Path("bench_out/pretrained_load"))
-    parser.add_argument("--report-only", type=Path, default=None, metavar="RUNS_JSON")
+    parser.add_argument("--report-only", type=Path, default=None, metavar="RUNS_JSON",
+                        help="render the report of an earlier pretrained_load_runs.json (or .json.gz) into --out-dir")
     parser.add_argument("--time-from-pretrained", type=Path, default=None, help=argparse.SUPPRESS)
     return parser
 
@@ -284,7 +286,7 @@ def compare_export(checkpoint: Path, out: Path) -> dict[str, Any]:
     import torch
     import transformers
 
-    from osdp_lightning.checkpoint import load_model_weights
+    from osdp_lightning.state.checkpoint import load_model_weights
 
     trained = {k.removeprefix("net."): v for k, v in load_model_weights(checkpoint).items()}
     start = time.perf_counter()
@@ -316,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.report_only is not None:
-        print(report.write_outputs(args.out_dir, json.loads(args.report_only.read_text())))
+        print(report.write_outputs(args.out_dir, read_runs(args.report_only)))
         return 0
     start, load_start = time.perf_counter(), load_average()
     print(f"pretrained_load: parts {args.parts}; load average {load_start}", flush=True)

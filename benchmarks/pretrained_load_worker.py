@@ -7,7 +7,7 @@ Run on every rank at once (:func:`benchmarks.launch.run_ranks`), with osdp-train
 
 Runs ``osdp_lightning.cli.train`` unchanged and writes ``RUN/rank<N>.json`` at exit:
 
-- ``load``: the :class:`~osdp_lightning.pretrained.LoadReport` of this rank (seconds, bytes read,
+- ``load``: the :class:`~osdp_lightning.state.pretrained.LoadReport` of this rank (seconds, bytes read,
   tensors), when the strategy loaded pretrained weights (osdp-train logs rank 0's only);
 - ``hwm_after_steps_bytes``: the resident high-water mark (``VmHWM``) after the last training
   step, before a checkpoint is written (and the resident set then: anonymous and file-backed pages);
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from osdp_lightning.callbacks import TrainingSummary, process_status_bytes
+from osdp_lightning.integration.callbacks import TrainingSummary, process_status_bytes
 
 RECORD: dict[str, Any] = {}
 
@@ -44,7 +44,7 @@ def record_loads() -> None:
     """Keep each rank's LoadReport (osdp-train prints rank 0's only). NOTE: ``load_pretrained`` passes
     ``report.summary()`` to ``rank_zero_info`` on every rank: wrapping ``summary`` sees each rank's
     report wherever the strategy calls it from."""
-    from osdp_lightning.pretrained import LoadReport
+    from osdp_lightning.state.pretrained import LoadReport
 
     summary = LoadReport.summary
 

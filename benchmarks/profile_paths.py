@@ -19,10 +19,10 @@ import torch
 from osdp_lightning.recipes.gpt import GPT, GPTConfig, GPTLitModule
 
 from benchmarks.compare import load_average, source_commit
-from osdp_lightning.budget import format_bytes
-from osdp_lightning.optim_state import configured_optimizer
-from osdp_lightning.pipeline import ProfileOptions, profile_model
-from osdp_lightning.profile import ModelProfile
+from osdp_lightning.cost.budget import format_bytes
+from osdp_lightning.plan.pipeline import ProfileOptions, profile_model
+from osdp_lightning.profiling.optim_state import configured_optimizer
+from osdp_lightning.profiling.profile import ModelProfile
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -45,6 +45,7 @@ from benchmarks.regret_candidates import (
     random_candidates,
     uniform_candidates,
 )
+from benchmarks.runs_file import read_runs
 from osdp_lightning.calibrate.bench import rotated
 
 SHAPES: dict[str, dict[str, int]] = {
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.report_only is not None:
-        saved = json.loads(args.report_only.read_text())
+        saved = read_runs(args.report_only)
         print(regret_report.write_outputs(args.out_dir, saved["machine"], saved["shapes"], plot=not args.no_plot))
         return 0
     args.accelerator = "cpu"  # compare.launch reads it; the regret benchmark is a CPU benchmark

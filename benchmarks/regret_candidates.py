@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from osdp_lightning.budget import PLAN_HEADROOM_FRACTION
-from osdp_lightning.choice_table import build_choice_table
 from osdp_lightning.choices import ChoiceOptions, choice_space
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.cost import ChoiceTable
-from osdp_lightning.plan import InfeasibleBudgetError, Plan, assemble_plan, make_plan
-from osdp_lightning.profile import ModelProfile, with_units
+from osdp_lightning.cost.budget import PLAN_HEADROOM_FRACTION
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.cost.cost import ChoiceTable
+from osdp_lightning.plan.choice_table import build_choice_table
+from osdp_lightning.plan.plan import InfeasibleBudgetError, Plan, assemble_plan, make_plan
+from osdp_lightning.profiling.profile import ModelProfile, with_units
 from osdp_lightning.solve import next_best_solutions, peak_bytes
 
 UNIFORM = ("replicate", "zero2", "zero3")

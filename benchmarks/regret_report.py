@@ -42,7 +42,7 @@ import torch
 from benchmarks.compare_report import measured_text
 from benchmarks.regret_candidates import usable_bytes
 from osdp_lightning.choices import parse
-from osdp_lightning.plan import choices_text
+from osdp_lightning.plan.plan import choices_text
 
 MIB = 2**20
 REGRET_TARGET, SPEARMAN_TARGET = 0.97, 0.9

@@ -1,6 +1,6 @@
 """Price the memory of recorded ``osdp-bench`` runs again with today's memory model.
 
-    python -m benchmarks.reprice_memory docs/benchmarks/compare_default/compare_runs.json [more runs files]
+    python -m benchmarks.reprice_memory docs/benchmarks/compare_default/compare_runs.json.gz [more runs files]
 
 Each osdp run's own profile and plan (units, choices, micro-batch, world size) are priced by the
 cost model and the ILP's evaluator (``build_choice_table`` / ``peak_bytes``) and set beside the
@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-from osdp_lightning.choice_table import build_choice_table
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.cost import ChoiceTable
-from osdp_lightning.plan import choices_text
-from osdp_lightning.profile import ModelProfile, UnitProfile, with_units
+from benchmarks.runs_file import read_runs
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.cost.cost import ChoiceTable
+from osdp_lightning.plan.choice_table import build_choice_table
+from osdp_lightning.plan.plan import choices_text
+from osdp_lightning.profiling.profile import ModelProfile, UnitProfile, with_units
 from osdp_lightning.solve import peak_bytes
 
 
@@ -78,7 +78,7 @@ def repriced_bytes(run: dict[str, Any]) -> int | None:
 
 def table_of(path: Path) -> str:
     """One markdown table: every distinct (method, budget, plan) of a runs file, medians over rounds."""
-    data = json.loads(path.read_text())
+    data = read_runs(path)
     rows: dict[tuple, list[tuple[int, int, int | None]]] = {}
     for run in data["runs"]:
         if run.get("status") == "ok" and run.get("plan") and run.get("profile"):
@@ -106,7 +106,7 @@ def table_of(path: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", type=Path, nargs="+", help="compare_runs.json files of osdp-bench")
+    parser.add_argument("runs", type=Path, nargs="+", help="compare_runs.json(.gz) files of osdp-bench")
     args = parser.parse_args()
     print("\n\n".join(table_of(path) for path in args.runs))
 

@@ -3,7 +3,7 @@
 Run with ``python -m benchmarks.solver_bench [--quick]``. Prints markdown tables; the solver's
 time targets are printed beside the figures, never asserted.
 
-- Synthetic tables from the project's own cost model (:func:`~osdp_lightning.choice_table.build_choice_table`)
+- Synthetic tables from the project's own cost model (:func:`~osdp_lightning.plan.choice_table.build_choice_table`)
   on a GPT-2-XL-like stack of Linear units (hidden 1536; qkv, attention out, MLP up, MLP down per
   layer, then a root unit), 8 ranks, 12 choices per unit (base + split), +-10 % noise on every
   unit's seconds as a real profile has; budgets at the smallest that fits plus 0 / 5 / 25 % of the
@@ -14,7 +14,7 @@ time targets are printed beside the figures, never asserted.
   that fits to the all-replicate peak; median and largest wall seconds over the seeds, the largest
   proven gap and the statuses (``--unequal-gap 0``: proving the optimum, as solves did before they
   settled for :data:`~osdp_lightning.solve.SETTLE_GAP`).
-- Real model tables: dry runs (:mod:`osdp_lightning.dryrun`) of gpt_small, gpt_xl and t5_large on
+- Real model tables: dry runs (:mod:`osdp_lightning.plan.dryrun`) of gpt_small, gpt_xl and t5_large on
   ``a100_80g_x8`` with the choices ``osdp-plan`` offers (split factors 2/4/8, checkpointing), at the
   cluster's usable budget and at +5 % of the smallest budget.
 - Whole ``make_plan`` calls as ``osdp-plan`` makes them: gpt_small at its micro-batch, and gpt_xl with
@@ -38,10 +38,10 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from osdp_lightning.choice_table import build_choice_table
 from osdp_lightning.choices import BASE_CHOICES, Choice, split_choice
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.profile import ModelProfile, UnitProfile
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.plan.choice_table import build_choice_table
+from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
 from osdp_lightning.solve import (
     SETTLE_AFTER_S,
     SETTLE_GAP,
@@ -205,9 +205,9 @@ def format_unequal(rows: list[dict[str, Any]], header: bool = True) -> str:
 
 def real_setup(model: str) -> tuple[ModelProfile, ClusterSpec, tuple[Choice, ...], Any]:
     """The dry-run profile, cluster, choices and config ``osdp-plan model=<model> cluster=a100_80g_x8`` uses."""
-    from osdp_lightning import dryrun
     from osdp_lightning.choices import ChoiceOptions, choice_space
     from osdp_lightning.cli.common import cluster_spec
+    from osdp_lightning.plan import dryrun
 
     cfg = dryrun.compose_config([f"model={model}", "cluster=a100_80g_x8"])
     cluster = cluster_spec(cfg.cluster)
@@ -220,7 +220,7 @@ def real_setup(model: str) -> tuple[ModelProfile, ClusterSpec, tuple[Choice, ...
 
 def real_rows(models: tuple[str, ...], cbc_cap_s: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Solver rows of each model's table, and the whole make_plan calls of the targets."""
-    from osdp_lightning.planner import batch_candidates
+    from osdp_lightning.plan.planner import batch_candidates
 
     rows, plans = [], []
     for model in models:
@@ -240,8 +240,7 @@ def real_rows(models: tuple[str, ...], cbc_cap_s: float) -> tuple[list[dict[str,
 def timed_make_plan(profile: ModelProfile, cluster: ClusterSpec, candidates: tuple[int, ...] | None,
                     choices: tuple[Choice, ...], time_limit_s: float | None) -> dict[str, Any]:
     """One make_plan call as osdp-plan makes it, timed, counting the tables it really solved."""
-    from osdp_lightning import plan as plan_module
-
+    from osdp_lightning.plan import plan as plan_module
     solves, original = [], plan_module.solve_choice_table
 
     def counting(*args: Any, **kwargs: Any) -> Any:

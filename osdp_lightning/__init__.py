@@ -6,15 +6,15 @@
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from osdp_lightning.budget import MemoryBudget, format_bytes, parse_bytes, parse_memory_budget
-from osdp_lightning.callbacks import TrainingSummary
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.config import OSDPConfig
-from osdp_lightning.fabric_strategy import OSDPFabricStrategy
-from osdp_lightning.plan import InfeasibleBudgetError, Plan, PlanMismatchError, make_plan
-from osdp_lightning.pretrained import PretrainedWeights, load_pretrained
-from osdp_lightning.profile import is_profiling
-from osdp_lightning.strategy import OSDPStrategy
+from osdp_lightning.cost.budget import MemoryBudget, format_bytes, parse_bytes, parse_memory_budget
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.integration.callbacks import TrainingSummary
+from osdp_lightning.integration.config import OSDPConfig
+from osdp_lightning.integration.fabric_strategy import OSDPFabricStrategy
+from osdp_lightning.integration.strategy import OSDPStrategy
+from osdp_lightning.plan.plan import InfeasibleBudgetError, Plan, PlanMismatchError, make_plan
+from osdp_lightning.profiling.profile import is_profiling
+from osdp_lightning.state.pretrained import PretrainedWeights, load_pretrained
 
 OSDPStrategy.register_strategies(StrategyRegistry)
 OSDPFabricStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.launch import DIST_ENV
-from osdp_lightning.plan import Plan
+from osdp_lightning.plan.plan import Plan
 from osdp_lightning.solve import SETTLE_GAP
 
 SCRIPTS = Path(__file__).parent / "scripts"

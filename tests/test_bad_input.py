@@ -21,13 +21,13 @@ import torch
 from hydra import compose, initialize_config_module
 from hydra.errors import MissingConfigException
 
-from osdp_lightning import InfeasibleBudgetError, OSDPStrategy, PlanMismatchError, make_plan, solvers
-from osdp_lightning.choice_table import build_choice_table
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.measure import profile_lightning_module
-from osdp_lightning.solve import SolverUnavailableError, smallest_feasible_budget
-from osdp_lightning.split import SplitLinear, split_linear_in_module
-from osdp_lightning.units import select_units
+from osdp_lightning import InfeasibleBudgetError, OSDPStrategy, PlanMismatchError, make_plan
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.plan.choice_table import build_choice_table
+from osdp_lightning.plan.measure import profile_lightning_module
+from osdp_lightning.profiling.units import select_units
+from osdp_lightning.runtime.split import SplitLinear, split_linear_in_module
+from osdp_lightning.solve import SolverUnavailableError, smallest_feasible_budget, solvers
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from ckpt_launch import run_ranks, script  # noqa: E402

@@ -16,7 +16,8 @@ from hydra.utils import instantiate
 from test_cli import plan_gpt_tiny
 
 from osdp_lightning import OSDPStrategy
-from osdp_lightning.budget import (
+from osdp_lightning.cli.common import cluster_spec
+from osdp_lightning.cost.budget import (
     MIN_BYTES_BUDGET,
     MemoryBudget,
     absolute_budget_bytes,
@@ -25,10 +26,9 @@ from osdp_lightning.budget import (
     format_budget,
     parse_memory_budget,
 )
-from osdp_lightning.cli.common import cluster_spec
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.measure import profile_lightning_module
-from osdp_lightning.plan import InfeasibleBudgetError, baseline_peak_bytes, make_plan
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.plan.measure import profile_lightning_module
+from osdp_lightning.plan.plan import InfeasibleBudgetError, baseline_peak_bytes, make_plan
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from toy_models import MLP  # noqa: E402

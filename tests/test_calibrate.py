@@ -33,7 +33,7 @@ from osdp_lightning.calibrate import (
 from osdp_lightning.calibrate import fit as fitting
 from osdp_lightning.calibrate.bench import rotated
 from osdp_lightning.choices.split import SPLIT_REPLICATED
-from osdp_lightning.step_terms import (
+from osdp_lightning.cost.step_terms import (
     GROUP_TERMS,
     PLAIN,
     Affine,
@@ -154,7 +154,7 @@ def test_the_fits_recover_a_line_and_never_go_negative() -> None:
 
 
 def test_cluster_configs_give_complete_terms() -> None:
-    from osdp_lightning.cluster import cluster_config_dir, load_cluster_config
+    from osdp_lightning.cost.cluster import cluster_config_dir, load_cluster_config
 
     for path in sorted(cluster_config_dir().glob("*.yaml")):
         terms = step_terms_from_config(load_cluster_config(path))
@@ -224,9 +224,9 @@ def test_terms_measured_on_a_busy_cpu_are_not_cached() -> None:
 
 
 def test_step_terms_enter_the_predicted_step() -> None:
-    from osdp_lightning.cluster import ClusterSpec
-    from osdp_lightning.plan import make_plan
-    from osdp_lightning.profile import ModelProfile, UnitProfile
+    from osdp_lightning.cost.cluster import ClusterSpec
+    from osdp_lightning.plan.plan import make_plan
+    from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
 
     width, world = 256, 2
     sizes = [width * width + width] * 3 + [2 * width]  # three Linear units, a root holding a norm

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from osdp_lightning import OSDPStrategy
-from osdp_lightning import checkpoint as ckpt
-from osdp_lightning.canonical import split_optimizer_state
-from osdp_lightning.faults import RankFailedError, all_ranks_succeed, raise_if_any_rank_failed
-from osdp_lightning.split import split_linear_in_module
+from osdp_lightning.runtime.faults import RankFailedError, all_ranks_succeed, raise_if_any_rank_failed
+from osdp_lightning.runtime.split import split_linear_in_module
+from osdp_lightning.state import checkpoint as ckpt
+from osdp_lightning.state.canonical import split_optimizer_state
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from toy_models import MLP  # noqa: E402

@@ -16,14 +16,14 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from toy_models import DropoutMLP, HuggingFaceLM, MemoMLP  # noqa: E402
 
-from osdp_lightning.choice_table import build_choice_table  # noqa: E402
 from osdp_lightning.choices import ChoiceOptions, choice_cost, choice_space, parse  # noqa: E402
 from osdp_lightning.choices.checkpointing import checkpoint_module, refusal_message  # noqa: E402
-from osdp_lightning.cluster import ClusterSpec  # noqa: E402
-from osdp_lightning.cost import CostContext  # noqa: E402
-from osdp_lightning.measure import profile_lightning_module  # noqa: E402
-from osdp_lightning.plan import InfeasibleBudgetError, make_plan  # noqa: E402
-from osdp_lightning.profile import ModelProfile, UnitProfile  # noqa: E402
+from osdp_lightning.cost.cluster import ClusterSpec  # noqa: E402
+from osdp_lightning.cost.cost import CostContext  # noqa: E402
+from osdp_lightning.plan.choice_table import build_choice_table  # noqa: E402
+from osdp_lightning.plan.measure import profile_lightning_module  # noqa: E402
+from osdp_lightning.plan.plan import InfeasibleBudgetError, make_plan  # noqa: E402
+from osdp_lightning.profiling.profile import ModelProfile, UnitProfile  # noqa: E402
 
 P = 10_000
 UNIT = UnitProfile("block", ("block",), P, 0, forward_s=0.01, backward_s=0.02, activation_bytes=50_000,

@@ -20,8 +20,8 @@ import torch
 from ckpt_launch import run_ranks
 from conftest import CliHere, CliRun
 
-from osdp_lightning.budget import PLAN_HEADROOM_FRACTION
 from osdp_lightning.cli import sweep
+from osdp_lightning.cost.budget import PLAN_HEADROOM_FRACTION
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from osdp_lightning.calibrate import CollectiveTimings
-from osdp_lightning.cluster import (
+from osdp_lightning.cost.cluster import (
     ClusterSpec,
     NodeTimings,
     cluster_config_dir,
@@ -17,7 +17,7 @@ from osdp_lightning.cluster import (
     load_cluster_config,
     load_cluster_spec,
 )
-from osdp_lightning.cost import all_gather_s, all_reduce_s
+from osdp_lightning.cost.cost import all_gather_s, all_reduce_s
 
 CONFIG_NAMES = sorted(p.stem for p in cluster_config_dir().glob("*.yaml"))
 

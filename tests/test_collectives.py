@@ -1,4 +1,4 @@
-"""The reduce-scatter osdp gives FSDP2 on gloo (osdp_lightning/collectives.py), on 2 real gloo ranks."""
+"""The reduce-scatter osdp gives FSDP2 on gloo (osdp_lightning/runtime/collectives.py), on 2 real gloo ranks."""
 
 from __future__ import annotations
 

@@ -26,25 +26,25 @@ from osdp_lightning import (  # noqa: E402
     Plan,
     PlanMismatchError,
     make_plan,
-    optim_state,  # noqa: E402
     parse_bytes,
 )
-from osdp_lightning.choice_table import build_choice_table  # noqa: E402
 from osdp_lightning.choices import choice_cost  # noqa: E402
-from osdp_lightning.cluster import ClusterSpec  # noqa: E402
-from osdp_lightning.cost import CostContext, all_reduce_s  # noqa: E402
-from osdp_lightning.fakestep import peak_new_bytes  # noqa: E402
-from osdp_lightning.measure import profile_lightning_module  # noqa: E402
-from osdp_lightning.optim_state import optimizer_state_bytes_per_param, optimizer_step_bytes  # noqa: E402
-from osdp_lightning.plan import InfeasibleBudgetError, choices_text  # noqa: E402
-from osdp_lightning.profile import (  # noqa: E402
+from osdp_lightning.cost.cluster import ClusterSpec  # noqa: E402
+from osdp_lightning.cost.cost import CostContext, all_reduce_s  # noqa: E402
+from osdp_lightning.plan.choice_table import build_choice_table  # noqa: E402
+from osdp_lightning.plan.measure import profile_lightning_module  # noqa: E402
+from osdp_lightning.plan.plan import InfeasibleBudgetError, choices_text  # noqa: E402
+from osdp_lightning.profiling import optim_state  # noqa: E402
+from osdp_lightning.profiling.fakestep import peak_new_bytes  # noqa: E402
+from osdp_lightning.profiling.optim_state import optimizer_state_bytes_per_param, optimizer_step_bytes  # noqa: E402
+from osdp_lightning.profiling.profile import (  # noqa: E402
     ModelProfile,
     UnitProfile,
     _measure_step,
     _rescaled_to_free_steps,
     loss_runner,
 )
-from osdp_lightning.units import select_units  # noqa: E402
+from osdp_lightning.profiling.units import select_units  # noqa: E402
 
 CLUSTER = ClusterSpec(world_size=2, memory_budget_bytes=2**40, collective_latency_s=1e-4,
                       bandwidth_bytes_per_s=1e9)

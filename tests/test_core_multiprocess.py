@@ -15,10 +15,10 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from conftest import SCRIPTS  # noqa: E402
 from toy_models import MODELS  # noqa: E402
 
-from osdp_lightning.budget import PLAN_HEADROOM_FRACTION  # noqa: E402
-from osdp_lightning.choice_table import build_choice_table  # noqa: E402
-from osdp_lightning.cluster import ClusterSpec  # noqa: E402
-from osdp_lightning.measure import profile_lightning_module  # noqa: E402
+from osdp_lightning.cost.budget import PLAN_HEADROOM_FRACTION  # noqa: E402
+from osdp_lightning.cost.cluster import ClusterSpec  # noqa: E402
+from osdp_lightning.plan.choice_table import build_choice_table  # noqa: E402
+from osdp_lightning.plan.measure import profile_lightning_module  # noqa: E402
 from osdp_lightning.solve import peak_bytes, smallest_feasible_budget  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess

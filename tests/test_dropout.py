@@ -27,7 +27,7 @@ from osdp_lightning.calibrate import (  # noqa: E402
     calibration_key,
     write_cache,
 )
-from osdp_lightning.step_terms import COLLECTIVES, GROUP_TERMS, PLAIN, Affine, StepTerms  # noqa: E402
+from osdp_lightning.cost.step_terms import COLLECTIVES, GROUP_TERMS, PLAIN, Affine, StepTerms  # noqa: E402
 
 STEPS = 8
 DDP_ARGS = ("--model", "dropout_mlp", "--steps", str(STEPS), "--strategy", "ddp")

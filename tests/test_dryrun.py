@@ -18,15 +18,15 @@ from osdp_lightning.recipes.gpt import GPT, GPTConfig, GPTLitModule  # noqa: E40
 from osdp_lightning.recipes.t5 import T5, T5Config, T5LitModule  # noqa: E402
 from toy_models import MLP, TiedLM  # noqa: E402
 
-from osdp_lightning.cluster import ClusterSpec  # noqa: E402
-from osdp_lightning.dryrun import (  # noqa: E402
+from osdp_lightning.cost.cluster import ClusterSpec  # noqa: E402
+from osdp_lightning.plan.dryrun import (  # noqa: E402
     DEFAULT_COMPUTE_EFFICIENCY,
     DRY_RUN_SOURCE,
     dry_run_plan,
     estimate_profile,
     format_dry_run,
 )
-from osdp_lightning.measure import profile_lightning_module  # noqa: E402
+from osdp_lightning.plan.measure import profile_lightning_module  # noqa: E402
 
 PEAK = 1e12
 SECONDS_PER_FLOP = 1 / (PEAK * DEFAULT_COMPUTE_EFFICIENCY)

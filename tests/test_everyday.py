@@ -9,13 +9,13 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
-from osdp_lightning.accumulate import check_accumulation
 from osdp_lightning.choices import choice_cost
-from osdp_lightning.clip import clip_grad_norm_, total_grad_norm, with_sharded_clipping
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.cost import CostContext
-from osdp_lightning.plan import InfeasibleBudgetError, make_plan
-from osdp_lightning.profile import ModelProfile, UnitProfile, _profiling
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.cost.cost import CostContext
+from osdp_lightning.plan.plan import InfeasibleBudgetError, make_plan
+from osdp_lightning.profiling.profile import ModelProfile, UnitProfile, _profiling
+from osdp_lightning.runtime.accumulate import check_accumulation
+from osdp_lightning.runtime.clip import clip_grad_norm_, total_grad_norm, with_sharded_clipping
 
 P = 100_000
 UNITS = tuple(UnitProfile(f"b{i}", (f"b{i}",), P, 0, forward_s=0.01, backward_s=0.02, activation_bytes=1_000)

@@ -33,19 +33,19 @@ from osdp_lightning.recipes.gpt import GPT, GPTLitModule  # noqa: E402
 
 from osdp_lightning import OSDPConfig, OSDPFabricStrategy, OSDPStrategy  # noqa: E402
 from osdp_lightning.calibrate import CACHE_DRAWS, CACHE_ENV, cache_file, calibration_key, write_cache  # noqa: E402
-from osdp_lightning.checkpoint import check_checkpoint, load_model_weights  # noqa: E402
-from osdp_lightning.estimate import estimate_profile  # noqa: E402
-from osdp_lightning.fabric_checkpoint import save  # noqa: E402
-from osdp_lightning.fabric_inputs import (  # noqa: E402
+from osdp_lightning.cost.step_terms import COLLECTIVES, GROUP_TERMS, PLAIN, Affine, StepTerms  # noqa: E402
+from osdp_lightning.integration.fabric_checkpoint import save  # noqa: E402
+from osdp_lightning.integration.fabric_inputs import (  # noqa: E402
     as_lightning_step,
     example_batch_of,
     parameter_names,
     rebind_optimizer,
 )
-from osdp_lightning.measure import profile_lightning_module  # noqa: E402
-from osdp_lightning.optim_state import configured_optimizer  # noqa: E402
-from osdp_lightning.split import SplitLinear  # noqa: E402
-from osdp_lightning.step_terms import COLLECTIVES, GROUP_TERMS, PLAIN, Affine, StepTerms  # noqa: E402
+from osdp_lightning.plan.measure import profile_lightning_module  # noqa: E402
+from osdp_lightning.profiling.estimate import estimate_profile  # noqa: E402
+from osdp_lightning.profiling.optim_state import configured_optimizer  # noqa: E402
+from osdp_lightning.runtime.split import SplitLinear  # noqa: E402
+from osdp_lightning.state.checkpoint import check_checkpoint, load_model_weights  # noqa: E402
 
 STEPS = 8
 CLIP = ("--clip", "0.5")  # below the gradient norm of every step: clipping acts

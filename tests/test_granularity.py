@@ -17,13 +17,13 @@ from osdp_lightning.recipes.t5.model import T5, T5Config  # noqa: E402
 from test_core_multiprocess import assert_plan_and_memory, assert_same_losses  # noqa: E402
 from toy_models import MLP, HuggingFaceLM, TiedLM, TorchTransformer  # noqa: E402
 
-from osdp_lightning.choice_table import build_choice_table  # noqa: E402
-from osdp_lightning.cluster import ClusterSpec  # noqa: E402
-from osdp_lightning.measure import profile_lightning_module  # noqa: E402
-from osdp_lightning.plan import fixed_plan, make_plan, root_folds, unit_sets  # noqa: E402
-from osdp_lightning.profile import with_parts, with_units  # noqa: E402
+from osdp_lightning.cost.cluster import ClusterSpec  # noqa: E402
+from osdp_lightning.plan.choice_table import build_choice_table  # noqa: E402
+from osdp_lightning.plan.measure import profile_lightning_module  # noqa: E402
+from osdp_lightning.plan.plan import fixed_plan, make_plan, root_folds, unit_sets  # noqa: E402
+from osdp_lightning.profiling.profile import with_parts, with_units  # noqa: E402
+from osdp_lightning.profiling.units import ROOT, find_blocks, select_units, unit_param_counts  # noqa: E402
 from osdp_lightning.solve import smallest_feasible_budget  # noqa: E402
-from osdp_lightning.units import ROOT, find_blocks, select_units, unit_param_counts  # noqa: E402
 
 CLUSTER = ClusterSpec(world_size=2, memory_budget_bytes=2**40, collective_latency_s=1e-4, bandwidth_bytes_per_s=1e9)
 

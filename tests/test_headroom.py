@@ -17,8 +17,8 @@ import pytest
 from conftest import proven_within_settle_gap
 
 from osdp_lightning import InfeasibleBudgetError, OSDPStrategy, make_plan
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.profile import ModelProfile, UnitProfile
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from toy_models import MLP  # noqa: E402
@@ -95,7 +95,7 @@ def test_a_plan_says_the_headroom_it_keeps_and_which_rule_set_it() -> None:
     import torch
     from lightning.fabric.utilities.data import _num_cpus_available
 
-    from osdp_lightning.budget import (
+    from osdp_lightning.cost.budget import (
         LARGEST_MEASURED_MISS,
         PLAN_HEADROOM_FRACTION,
         SHARED_CORES_HEADROOM_FRACTION,
@@ -124,8 +124,8 @@ def test_a_plan_says_the_headroom_it_keeps_and_which_rule_set_it() -> None:
 # -- the issue's three cases: osdp-plan model=gpt_small cluster=a100_80g_x8 (a dry run) ------------------
 @pytest.fixture(scope="module")
 def gpt_small_dry_run():
-    from osdp_lightning import dryrun
     from osdp_lightning.cli.common import cluster_spec
+    from osdp_lightning.plan import dryrun
 
     cfg = dryrun.compose_config(["model=gpt_small", "cluster=a100_80g_x8"])
     profile, _ = dryrun.estimate_recipe_profile(cfg, cluster_spec(cfg.cluster))
@@ -134,8 +134,8 @@ def gpt_small_dry_run():
 
 def plan_osdp(profile: ModelProfile, budget: str) -> object:
     """What osdp-plan plans (or says) for ``cluster.memory_budget=<budget>``."""
-    from osdp_lightning import dryrun
     from osdp_lightning.cli.plan import recipe_planner
+    from osdp_lightning.plan import dryrun
 
     cfg = dryrun.compose_config(["model=gpt_small", "cluster=a100_80g_x8", f"cluster.memory_budget={budget}"])
     return recipe_planner(profile, cfg, live=False).plan_with_baselines()["osdp"]

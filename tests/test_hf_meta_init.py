@@ -22,9 +22,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from ckpt_launch import SCRIPTS, run_ranks  # noqa: E402
 
-from osdp_lightning.fakestep import build_meta_module  # noqa: E402
-from osdp_lightning.hf_init import hugging_face_owner, is_hugging_face_model  # noqa: E402
-from osdp_lightning.materialize import (  # noqa: E402
+from osdp_lightning.profiling.fakestep import build_meta_module  # noqa: E402
+from osdp_lightning.profiling.hf_init import hugging_face_owner, is_hugging_face_model  # noqa: E402
+from osdp_lightning.profiling.materialize import (  # noqa: E402
     UninitializedModuleError,
     has_meta_tensors,
     initialise_post_order,

@@ -24,11 +24,11 @@ from ckpt_launch import SCRIPTS, run_ranks  # noqa: E402
 from hf_train import BATCH, SEQ, VOCAB, HFModule  # noqa: E402
 from toy_models import MemoMLP, Regression  # noqa: E402
 
-from osdp_lightning.fakestep import FakeStepError, build_meta_module  # noqa: E402
-from osdp_lightning.faults import portable_error  # noqa: E402
-from osdp_lightning.pipeline import ProfileOptions, profile_model  # noqa: E402
-from osdp_lightning.unitbench import UnitMeasureError, profile_from_shapes, record_unit_calls  # noqa: E402
-from osdp_lightning.units import select_units  # noqa: E402
+from osdp_lightning.plan.pipeline import ProfileOptions, profile_model  # noqa: E402
+from osdp_lightning.plan.unitbench import UnitMeasureError, profile_from_shapes, record_unit_calls  # noqa: E402
+from osdp_lightning.profiling.fakestep import FakeStepError, build_meta_module  # noqa: E402
+from osdp_lightning.profiling.units import select_units  # noqa: E402
+from osdp_lightning.runtime.faults import portable_error  # noqa: E402
 
 FAMILIES = ("llama", "gpt2", "neox", "bert", "t5")
 

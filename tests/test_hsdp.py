@@ -7,15 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from osdp_lightning.apply import Meshes
-from osdp_lightning.choice_table import build_choice_table
 from osdp_lightning.choices import ChoiceOptions, choice_cost, choice_space, hsdp_choice, is_known, parse
 from osdp_lightning.choices import zero3_reshard_choice as zero3_reshard
 from osdp_lightning.choices.groups import hsdp_kwargs, zero3_reshard_kwargs
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.cost import CostContext, all_gather_s, all_reduce_s
-from osdp_lightning.plan import make_plan
-from osdp_lightning.profile import ModelProfile, UnitProfile
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.cost.cost import CostContext, all_gather_s, all_reduce_s
+from osdp_lightning.plan.choice_table import build_choice_table
+from osdp_lightning.plan.plan import make_plan
+from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
+from osdp_lightning.runtime.meshes import Meshes
 
 P = 1_000_000
 UNIT = UnitProfile(name="block", module_names=("block",), param_count=P, frozen_param_count=0,

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from toy_models import MLP, MODELS  # noqa: E402
 
 from benchmarks.launch import free_port  # noqa: E402
-from osdp_lightning.cluster import ClusterSpec  # noqa: E402
-from osdp_lightning.dryrun import dry_run_plan  # noqa: E402
+from osdp_lightning.cost.cluster import ClusterSpec  # noqa: E402
+from osdp_lightning.plan.dryrun import dry_run_plan  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

@@ -1,10 +1,11 @@
-"""The package's layers: no import cycle among ``osdp_lightning`` modules, imports inside functions
-counted; and every name the configs and the README point at still imports.
+"""The package's layers: every module in a room, no room importing from one above it, no import
+cycle among ``osdp_lightning`` modules (imports inside functions counted); and every name the
+configs and the README point at still imports.
 
 An import of ``osdp_lightning.a.b`` from outside the package ``osdp_lightning.a`` also runs that
 package's ``__init__``: it counts as an import of both. Imports under ``if TYPE_CHECKING:`` (for
-annotations only) are left out; so is the root package, whose ``__init__`` registers the strategy
-and so imports the top layer.
+annotations only) count for the rooms, not for cycles; the root package, whose ``__init__``
+registers the strategy and so imports the top room, counts for neither.
 """
 
 from __future__ import annotations
@@ -40,21 +41,21 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement below ``node`` (functions and classes included), but those that run
-    only under ``if TYPE_CHECKING:``."""
+def _imports(node: ast.AST, type_checking: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement below ``node`` (functions and classes included); those that run only
+    under ``if TYPE_CHECKING:`` where ``type_checking``."""
     for child in ast.iter_child_nodes(node):
-        if isinstance(child, ast.If) and _is_type_checking(child):
+        if isinstance(child, ast.If) and _is_type_checking(child) and not type_checking:
             for other in child.orelse:
-                yield from _imports_of_statement(other)
+                yield from _imports_of_statement(other, type_checking)
             continue
-        yield from _imports_of_statement(child)
+        yield from _imports_of_statement(child, type_checking)
 
 
-def _imports_of_statement(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+def _imports_of_statement(node: ast.AST, type_checking: bool) -> Iterator[ast.Import | ast.ImportFrom]:
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         yield node
-    yield from _imports(node)
+    yield from _imports(node, type_checking)
 
 
 def _imported_names(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> Iterator[str]:
@@ -85,15 +86,16 @@ def _with_packages(importer: str, target: str) -> set[str]:
     return {target} | {p for p in packages if not importer.startswith(p + ".")}
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the modules of the package it imports, anywhere in its body."""
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of the package it imports, anywhere in its body (and under
+    ``if TYPE_CHECKING:`` where ``type_checking``)."""
     files = module_files()
     modules = set(files)
     graph: dict[str, set[str]] = {}
     for module, path in files.items():
         is_package = path.name == "__init__.py"
         targets: set[str] = set()
-        for node in _imports(ast.parse(path.read_text(), filename=str(path))):
+        for node in _imports(ast.parse(path.read_text(), filename=str(path)), type_checking):
             for name in _imported_names(module, is_package, node):
                 target = _resolved(name, modules)
                 if target is not None:
@@ -154,14 +156,17 @@ def one_cycle(graph: dict[str, set[str]], component: list[str]) -> list[str]:
 
 def test_the_graph_sees_imports_inside_functions_and_not_type_checking() -> None:
     """The graph's own rules, on a module written for them."""
-    source = ("from typing import TYPE_CHECKING\nfrom osdp_lightning.units import ROOT\n"
-              "if TYPE_CHECKING:\n    from osdp_lightning.plan import Plan\n"
-              "def f():\n    from osdp_lightning import solvers\n    from osdp_lightning.choices.base import Choice\n")
+    source = ("from typing import TYPE_CHECKING\nfrom osdp_lightning.profiling.units import ROOT\n"
+              "if TYPE_CHECKING:\n    from osdp_lightning.plan.plan import Plan\n"
+              "def f():\n    from osdp_lightning.solve import solvers\n    from osdp_lightning.choices.base import Choice\n")
     names = {n for node in _imports(ast.parse(source)) for n in _imported_names("osdp_lightning.x", False, node)}
     modules = set(module_files())
     targets = {t for name in names if (r := _resolved(name, modules)) for t in _with_packages("osdp_lightning.x", r)}
-    assert targets == {"osdp_lightning.units", "osdp_lightning.solvers", "osdp_lightning.choices.base",
-                       "osdp_lightning.choices"}
+    assert targets == {"osdp_lightning.profiling.units", "osdp_lightning.profiling", "osdp_lightning.solve.solvers",
+                       "osdp_lightning.solve", "osdp_lightning.choices.base", "osdp_lightning.choices"}
+    hinted = {n for node in _imports(ast.parse(source), type_checking=True)
+              for n in _imported_names("osdp_lightning.x", False, node)}
+    assert hinted - names == {"osdp_lightning.plan.plan.Plan"}
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]] and one_cycle(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
 
@@ -171,6 +176,42 @@ def test_no_import_cycle_among_the_package_modules() -> None:
     found = cycles(graph)
     assert not found, "import cycles (each: its modules, then one closed path):\n" + "\n".join(
         f"  {component}\n    {' -> '.join(one_cycle(graph, component))}" for component in found)
+
+
+ROOMS = ("runtime", "state", "profiling", "cost", "choices", "solve", "plan", "apply", "calibrate", "report",
+         "integration", "cli")
+"""The package's rooms, lowest first: a module imports only from its own room and the rooms below it,
+type hints included. The runtime pieces the choices install sit lowest; the Lightning integration
+and the command lines on top, with the root package (the public names) above them all."""
+
+
+def room_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_every_module_lives_in_a_room() -> None:
+    outside = [m for m in module_files() if m != PACKAGE and room_of(m) not in ROOMS]
+    assert not outside, f"modules outside the rooms {ROOMS}: {outside}"
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import from a room into a room above it, as ``importer -> imported``."""
+    rank = {room: i for i, room in enumerate(ROOMS)}
+    return sorted(f"{module} -> {target}" for module, targets in graph.items() if module != PACKAGE
+                  for target in targets if target != PACKAGE and rank[room_of(target)] > rank[room_of(module)])
+
+
+def test_the_room_check_sees_an_upward_import() -> None:
+    graph = {"osdp_lightning.cost.budget": {"osdp_lightning.integration.lightning_compat", "osdp_lightning.runtime.faults"},
+             "osdp_lightning.cli.train": {"osdp_lightning.cost.budget"}}
+    assert upward_imports(graph) == ["osdp_lightning.cost.budget -> osdp_lightning.integration.lightning_compat"]
+
+
+def test_no_room_imports_from_a_room_above_it() -> None:
+    found = upward_imports(import_graph(type_checking=True))
+    assert not found, f"imports from a lower room into a higher one (rooms, lowest first: {ROOMS}):\n  " + \
+        "\n  ".join(found)
 
 
 def hydra_targets() -> list[tuple[str, str]]:
@@ -204,7 +245,7 @@ def readme_names() -> list[str]:
 
 @pytest.mark.parametrize("name", readme_names())
 def test_every_module_path_the_readme_names_imports(name: str) -> None:
-    """A dotted name: a module, or an attribute of one (``osdp_lightning.cluster.cluster_spec_from_config``)."""
+    """A dotted name: a module, or an attribute of one (``osdp_lightning.cost.cluster.cluster_spec_from_config``)."""
     module, attributes = name, []
     while True:
         try:

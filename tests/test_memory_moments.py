@@ -14,12 +14,12 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from test_solve import make_table  # noqa: E402
 from toy_models import TiedLM  # noqa: E402
 
-from osdp_lightning.choice_table import build_choice_table  # noqa: E402
-from osdp_lightning.cluster import ClusterSpec  # noqa: E402
-from osdp_lightning.cost import ChoiceCost  # noqa: E402
-from osdp_lightning.measure import profile_lightning_module  # noqa: E402
+from osdp_lightning.cost.cluster import ClusterSpec  # noqa: E402
+from osdp_lightning.cost.cost import ChoiceCost  # noqa: E402
+from osdp_lightning.plan.choice_table import build_choice_table  # noqa: E402
+from osdp_lightning.plan.measure import profile_lightning_module  # noqa: E402
+from osdp_lightning.profiling.units import ROOT  # noqa: E402
 from osdp_lightning.solve import moment_bytes, peak_bytes, solve_choice_table  # noqa: E402
-from osdp_lightning.units import ROOT  # noqa: E402
 
 CLUSTER = ClusterSpec(world_size=2, memory_budget_bytes=2**40, collective_latency_s=1e-4, bandwidth_bytes_per_s=1e9)
 

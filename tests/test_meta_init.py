@@ -20,12 +20,17 @@ from ckpt_launch import SCRIPTS, run_ranks  # noqa: E402
 from meta_train import CONFIG, HAND_MADE, build  # noqa: E402
 from osdp_lightning.recipes.gpt import GPT, GPTLitModule  # noqa: E402
 
-from osdp_lightning.budget import parse_memory_budget  # noqa: E402
-from osdp_lightning.fakestep import build_meta_module  # noqa: E402
-from osdp_lightning.materialize import UninitializedModuleError, has_meta_tensors, materialize  # noqa: E402
-from osdp_lightning.measure import profile_lightning_module  # noqa: E402
-from osdp_lightning.pipeline import ProfileOptions, budget_floor_bytes, check_setup_fits, whole_profile_fits  # noqa: E402
-from osdp_lightning.unitbench import UnitMeasureError, profile_from_shapes  # noqa: E402
+from osdp_lightning.cost.budget import parse_memory_budget  # noqa: E402
+from osdp_lightning.plan.measure import profile_lightning_module  # noqa: E402
+from osdp_lightning.plan.pipeline import (  # noqa: E402
+    ProfileOptions,
+    budget_floor_bytes,
+    check_setup_fits,
+    whole_profile_fits,
+)
+from osdp_lightning.plan.unitbench import UnitMeasureError, profile_from_shapes  # noqa: E402
+from osdp_lightning.profiling.fakestep import build_meta_module  # noqa: E402
+from osdp_lightning.profiling.materialize import UninitializedModuleError, has_meta_tensors, materialize  # noqa: E402
 
 STEPS = 6
 BUDGET = "60%ddp"  # below every uniform layout but zero3's: the plan mixes choices

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.measure import profile_lightning_module
-from osdp_lightning.plan import BaselinePrediction, Plan, UnitPlan, make_plan
-from osdp_lightning.plot import group_units, try_plot_plan
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.plan.measure import profile_lightning_module
+from osdp_lightning.plan.plan import BaselinePrediction, Plan, UnitPlan, make_plan
+from osdp_lightning.report.plot import group_units, plot_plan, try_plot_plan
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from toy_models import MLP  # noqa: E402
@@ -64,7 +64,7 @@ def test_a_small_real_plan_draws_one_bar_per_unit(mlp_plan: Plan, tmp_path: Path
     unit_s = sum(u.compute_s + u.comm_s + u.optimizer_s + u.overhead_s for u in mlp_plan.units)
     loop_s = getattr(mlp_plan, "predicted_loop_s", 0.0)  # the step's per-step constant, in no unit
     assert unit_s + loop_s == pytest.approx(mlp_plan.predicted_step_s, rel=1e-6)
-    path = mlp_plan.plot(tmp_path / "plan.png")
+    path = plot_plan(mlp_plan, tmp_path / "plan.png")
     assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 10_000
 
 
@@ -75,7 +75,7 @@ def test_a_300_unit_plan_groups_runs_of_identical_blocks(tmp_path: Path) -> None
     assert [b.label for b in bars] == ["net.wte", "net.h.0-36 (x37)", "net.h.37-73 (x37)", "<root>"]
     assert sum(b.kept_bytes for b in bars) == sum(u.state_bytes + u.held_bytes + u.activation_bytes
                                                   for u in plan.units)
-    path = plan.plot(tmp_path / "plan.png")
+    path = plot_plan(plan, tmp_path / "plan.png")
     assert path.read_bytes()[:8] == PNG_MAGIC
 
 

@@ -17,17 +17,17 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from toy_models import MLP, Regression, TiedLM  # noqa: E402
 
-from osdp_lightning.apply import mixed_precision_policy  # noqa: E402
-from osdp_lightning.choice_table import build_choice_table  # noqa: E402
+from osdp_lightning.apply.apply import mixed_precision_policy  # noqa: E402
 from osdp_lightning.choices import Choice  # noqa: E402
 from osdp_lightning.choices.base import check_one_dtype  # noqa: E402
-from osdp_lightning.cluster import ClusterSpec  # noqa: E402
-from osdp_lightning.config import OSDPConfig  # noqa: E402
-from osdp_lightning.estimate import estimate_profile  # noqa: E402
-from osdp_lightning.measure import profile_lightning_module  # noqa: E402
-from osdp_lightning.plan import make_plan  # noqa: E402
-from osdp_lightning.precision import check_plan_precision, sharded_precision, with_precision  # noqa: E402
-from osdp_lightning.profile import ModelProfile  # noqa: E402
+from osdp_lightning.cost.cluster import ClusterSpec  # noqa: E402
+from osdp_lightning.integration.config import OSDPConfig  # noqa: E402
+from osdp_lightning.plan.choice_table import build_choice_table  # noqa: E402
+from osdp_lightning.plan.measure import profile_lightning_module  # noqa: E402
+from osdp_lightning.plan.plan import make_plan  # noqa: E402
+from osdp_lightning.profiling.estimate import estimate_profile  # noqa: E402
+from osdp_lightning.profiling.precision import check_plan_precision, sharded_precision, with_precision  # noqa: E402
+from osdp_lightning.profiling.profile import ModelProfile  # noqa: E402
 
 CLUSTER = ClusterSpec(world_size=2, memory_budget_bytes=2**40, collective_latency_s=1e-4, bandwidth_bytes_per_s=1e9)
 BF16 = sharded_precision("bf16-mixed")
@@ -150,8 +150,8 @@ def test_a_saved_plan_applies_with_the_precision_it_was_priced_for(mlp_profile: 
 
 
 def test_gpu_dry_runs_price_bf16_gathers() -> None:
-    from osdp_lightning import dryrun
     from osdp_lightning.cli.common import cluster_spec
+    from osdp_lightning.plan import dryrun
 
     for overrides, reduce_bytes in (([], 4), (["strategy.reduce_dtype=bfloat16"], 2)):
         cfg = dryrun.compose_config(["model=gpt_tiny", "cluster=a100_80g_x8", *overrides])

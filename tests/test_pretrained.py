@@ -25,10 +25,10 @@ from ckpt_launch import SCRIPTS, run_ranks  # noqa: E402
 from pretrained_train import CONFIG, HAND_MADE  # noqa: E402
 
 from osdp_lightning import PretrainedWeights, load_pretrained  # noqa: E402
-from osdp_lightning.checkpoint import UnsafeCheckpointError, consolidate_checkpoint  # noqa: E402
-from osdp_lightning.export import export_hf  # noqa: E402
-from osdp_lightning.split import split_linear_in_module  # noqa: E402
-from osdp_lightning.weight_files import KeyMap, PretrainedWeightsError, best_key_map  # noqa: E402
+from osdp_lightning.runtime.split import split_linear_in_module  # noqa: E402
+from osdp_lightning.state.checkpoint import UnsafeCheckpointError, consolidate_checkpoint  # noqa: E402
+from osdp_lightning.state.export import export_hf  # noqa: E402
+from osdp_lightning.state.weight_files import KeyMap, PretrainedWeightsError, best_key_map  # noqa: E402
 
 hf = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ from benchmarks import pretrained_load
 from benchmarks import pretrained_load_report as report
 
 MIB = 2**20
-INFEASIBLE_LOG = ("osdp_lightning.plan.InfeasibleBudgetError: no plan fits the memory budget of 64.00 KiB per rank "
+INFEASIBLE_LOG = ("osdp_lightning.plan.plan.InfeasibleBudgetError: no plan fits the memory budget of 64.00 KiB per rank "
                   "...; the smallest budget that fits is 2.41 MiB (2526014 bytes, of which 61.67 KiB headroom")
 
 

@@ -22,11 +22,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.reprice_memory import profile_from_dict  # noqa: E402
-from osdp_lightning.choice_table import build_choice_table  # noqa: E402
 from osdp_lightning.choices import BASE_CHOICES, ChoiceOptions, choice_space  # noqa: E402
-from osdp_lightning.cluster import ClusterSpec, cluster_spec_from_config  # noqa: E402
-from osdp_lightning.plan import InfeasibleBudgetError, Plan, baseline_peak_bytes, make_plan  # noqa: E402
-from osdp_lightning.profile import ModelProfile  # noqa: E402
+from osdp_lightning.cost.cluster import ClusterSpec, cluster_spec_from_config  # noqa: E402
+from osdp_lightning.plan.choice_table import build_choice_table  # noqa: E402
+from osdp_lightning.plan.plan import InfeasibleBudgetError, Plan, baseline_peak_bytes, make_plan  # noqa: E402
+from osdp_lightning.profiling.profile import ModelProfile  # noqa: E402
 from osdp_lightning.solve import (  # noqa: E402
     Solution,
     knapsack_dp,

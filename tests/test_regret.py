@@ -22,8 +22,8 @@ from benchmarks.regret_candidates import (
     usable_bytes,
 )
 from osdp_lightning.calibrate import CACHE_ENV
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.profile import ModelProfile, UnitProfile, with_parts
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.profiling.profile import ModelProfile, UnitProfile, with_parts
 from osdp_lightning.solve import peak_bytes, step_seconds
 
 MIB = 2**20

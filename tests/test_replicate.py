@@ -1,4 +1,4 @@
-"""Replicated units on DDP's reducer (osdp_lightning/replicate.py), beside FSDP2's sharded units."""
+"""Replicated units on DDP's reducer (osdp_lightning/runtime/replicate.py), beside FSDP2's sharded units."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from osdp_lightning.replicate import apply_replicate, ignored_for, mark_replicated, marked_parameters
+from osdp_lightning.runtime.replicate import apply_replicate, ignored_for, mark_replicated, marked_parameters
 
 REL_TOL = 1e-4
 MEMORY_TOL = 0.05

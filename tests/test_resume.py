@@ -26,7 +26,7 @@ from ckpt_launch import run_alone, run_ranks, script  # noqa: E402
 from ckpt_plans import MIXED, OTHER, fixed_plan  # noqa: E402
 from toy_models import MLP  # noqa: E402
 
-from osdp_lightning import checkpoint as ckpt  # noqa: E402
+from osdp_lightning.state import checkpoint as ckpt  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from osdp_lightning.resume import ResumableDataLoader, collect_rng_state, restore_rng_state
+from osdp_lightning.state.resume import ResumableDataLoader, collect_rng_state, restore_rng_state
 
 DATA = TensorDataset(torch.arange(20.0))
 

@@ -12,8 +12,8 @@ import pulp
 import pytest
 
 from osdp_lightning import solve
-from osdp_lightning.choice_table import build_choice_table
-from osdp_lightning.cost import ChoiceCost, ChoiceTable, UnitCosts
+from osdp_lightning.cost.cost import ChoiceCost, ChoiceTable, UnitCosts
+from osdp_lightning.plan.choice_table import build_choice_table
 from osdp_lightning.solve import (
     FEASIBLE,
     INFEASIBLE,
@@ -525,7 +525,7 @@ def test_next_best_solutions_are_the_k_best(seed: int) -> None:
 
 def test_prefetch_bytes_enter_the_pair_term_in_both_orders() -> None:
     """A running unit's whole transient coexists with its neighbour's prefetched part only."""
-    from osdp_lightning.cost import ChoiceCost, ChoiceTable, UnitCosts
+    from osdp_lightning.cost.cost import ChoiceCost, ChoiceTable, UnitCosts
 
     def unit(name: str, transient: int, prefetch: int) -> UnitCosts:
         return UnitCosts(name, (ChoiceCost("zero3", 10, 0, transient, 1.0, 0.0, prefetch_bytes=prefetch),), 0.0)

@@ -10,10 +10,10 @@ from ckpt_launch import run_gloo_checks
 from torch import nn
 
 from osdp_lightning.choices import choice_cost, split_choice
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.cost import CostContext
-from osdp_lightning.profile import ModelProfile, UnitProfile
-from osdp_lightning.split import (
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.cost.cost import CostContext
+from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
+from osdp_lightning.runtime.split import (
     SplitLinear,
     measure_split_overhead_s,
     split_linear_in_module,

@@ -12,7 +12,7 @@ import random
 import pytest
 from test_solve import best_step, chosen, evaluate, make_table
 
-from osdp_lightning.cost import ChoiceCost, ChoiceTable
+from osdp_lightning.cost.cost import ChoiceCost, ChoiceTable
 from osdp_lightning.solve import (
     OPTIMAL,
     peak_bytes,
@@ -21,7 +21,7 @@ from osdp_lightning.solve import (
     step_seconds,
 )
 from osdp_lightning.solve.evaluate import moment_peak, parts_of
-from osdp_lightning.symmetry import forbidden_orders, sorted_plan
+from osdp_lightning.solve.symmetry import forbidden_orders, sorted_plan
 
 SEEDS = range(40)
 

@@ -2,10 +2,10 @@
 pipeline it prices: it applies tiny plans and prices them with the cost model and the solver).
 
 :func:`calibrate_step_terms`: every step-time term besides compute
-(:class:`~osdp_lightning.step_terms.StepTerms`): each collective kind at four sizes, FSDP2's own work
+(:class:`~osdp_lightning.cost.step_terms.StepTerms`): each collective kind at four sizes, FSDP2's own work
 and the optimizer step per choice from tiny plans (:mod:`~osdp_lightning.calibrate.bench`, fitted by
 :mod:`~osdp_lightning.calibrate.fit`), cached per machine (:mod:`~osdp_lightning.calibrate.cache`).
-The link figures (latency, bandwidth, overlap) are :mod:`osdp_lightning.links`'; they are imported
+The link figures (latency, bandwidth, overlap) are :mod:`osdp_lightning.cost.links`'; they are imported
 from here too.
 
 Every rank takes part in the collectives, but only rank 0's numbers are used: they are
@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from osdp_lightning.apply import Meshes
 from osdp_lightning.calibrate.bench import (
     BENCH_ROUNDS_S,
     COLLECTIVE_REPEATS,
@@ -51,9 +50,10 @@ from osdp_lightning.calibrate.cache import (
     write_cache,
 )
 from osdp_lightning.calibrate.fit import fit_terms, plain_optimizer_term
-from osdp_lightning.links import CollectiveTimings, least_time_s, measure_collectives
-from osdp_lightning.optim_state import clone_optimizer
-from osdp_lightning.step_terms import COLLECTIVES, GROUP_TERMS, PLAIN, Affine, StepTerms
+from osdp_lightning.cost.links import CollectiveTimings, least_time_s, measure_collectives
+from osdp_lightning.cost.step_terms import COLLECTIVES, GROUP_TERMS, PLAIN, Affine, StepTerms
+from osdp_lightning.profiling.optim_state import clone_optimizer
+from osdp_lightning.runtime.meshes import Meshes
 
 QUIET_CPU_SHARE = 0.80
 """Share of a core each of 2 gloo ranks got during a calibration on this project's quiet 2-core VM

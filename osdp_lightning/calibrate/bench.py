@@ -1,7 +1,7 @@
 """What calibration times: each collective kind at four sizes, and tiny plans (stacks of small
 pre-norm MLP blocks at three widths, one unit per block or per Linear) under each calibrated family's
 bench choice (``ChoiceFamily.calibration``), applied with the project's own
-:func:`~osdp_lightning.apply.apply_plan` so that whatever machinery a choice uses is what is priced,
+:func:`~osdp_lightning.apply.apply.apply_plan` so that whatever machinery a choice uses is what is priced,
 with a real block's compute between its collectives so that prefetch and overlap run as in training."""
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from osdp_lightning.apply import Meshes, apply_plan
+from osdp_lightning.apply.apply import apply_plan
 from osdp_lightning.choices import REGISTRY, ChoiceFamily
 from osdp_lightning.choices.base import FamilyCalibration, StackTimings
-from osdp_lightning.collectives import reduce_scatter
-from osdp_lightning.links import synchronize
-from osdp_lightning.optim_state import clone_optimizer
-from osdp_lightning.plan import Plan, UnitPlan
-from osdp_lightning.step_terms import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
-from osdp_lightning.units import ROOT
+from osdp_lightning.cost.links import synchronize
+from osdp_lightning.cost.step_terms import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from osdp_lightning.plan.plan import Plan, UnitPlan
+from osdp_lightning.profiling.optim_state import clone_optimizer
+from osdp_lightning.profiling.units import ROOT
+from osdp_lightning.runtime.collectives import reduce_scatter
+from osdp_lightning.runtime.meshes import Meshes
 
 COLLECTIVE_BYTES = (64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
 """Unsharded bytes of the timed sizes of each collective. NOTE: on gloo the fit through two sizes
@@ -209,7 +210,7 @@ def release_benches(benches: dict[tuple[str, int], Bench]) -> None:
 
     NOTE: they hold the group in reference cycles; left to a later collection they can be freed
     during interpreter finalization, where gloo's threads end in "terminate called without an
-    active exception" (SIGABRT; see osdp_lightning/shutdown.py).
+    active exception" (SIGABRT; see osdp_lightning/runtime/shutdown.py).
     """
     for bench in benches.values():
         bench.root, bench.optimizer = None, None

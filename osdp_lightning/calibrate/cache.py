@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from osdp_lightning.step_terms import Affine, StepTerms
+from osdp_lightning.cost.step_terms import Affine, StepTerms
 
 CACHE_ENV = "OSDP_LIGHTNING_CACHE_DIR"
 """Directory of the per-machine calibration cache (default ``~/.cache/osdp_lightning``; tests
 point it at a temporary directory)."""
 CACHE_FORMAT = 5
 """5: gloo's reduce-scatter timed as FSDP2 runs it under osdp, an all-reduce in place
-(``osdp_lightning/collectives.py``; 4: gloo's own reduce-scatter); 4 and after: FSDP2's terms from
+(``osdp_lightning/runtime/collectives.py``; 4: gloo's own reduce-scatter); 4 and after: FSDP2's terms from
 stacks of blocks with their compute between the collectives (3: bare Linear
 stacks, which over-priced zero3; 2: one calibration, not the last :data:`CACHE_DRAWS`; 1: collectives
 at two sizes); an older format is stale."""

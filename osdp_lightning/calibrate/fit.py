@@ -20,12 +20,9 @@ from osdp_lightning.calibrate.bench import (
     stack_unit_params,
     stack_unit_tensors,
 )
-from osdp_lightning.choice_table import build_choice_table
 from osdp_lightning.choices.base import FamilyCalibration
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.profile import ModelProfile, UnitProfile
-from osdp_lightning.solve import step_seconds
-from osdp_lightning.step_terms import (
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.cost.step_terms import (
     ALL_GATHER,
     ALL_REDUCE,
     COLLECTIVES,
@@ -34,7 +31,10 @@ from osdp_lightning.step_terms import (
     Affine,
     StepTerms,
 )
-from osdp_lightning.units import ROOT
+from osdp_lightning.plan.choice_table import build_choice_table
+from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
+from osdp_lightning.profiling.units import ROOT
+from osdp_lightning.solve import step_seconds
 
 
 def _collective_fit(points: list[tuple[float, float]]) -> Affine:

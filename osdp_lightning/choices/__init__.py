@@ -4,8 +4,8 @@
     parse("split(k=4, sharded=3)")["k"]  # 4
 
 Only this package reads or writes choice names. A family (``replicate.py``, ``zero2.py``, ...)
-says its name and parameters, its cost (:class:`~osdp_lightning.cost.ChoiceCost` from a
-:class:`~osdp_lightning.cost.CostContext`) and how it is applied; registering it below is the
+says its name and parameters, its cost (:class:`~osdp_lightning.cost.cost.ChoiceCost` from a
+:class:`~osdp_lightning.cost.cost.CostContext`) and how it is applied; registering it below is the
 only line a new family adds outside its module (see ``docs/design.md``, "Adding a choice family").
 """
 
@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from osdp_lightning.aliases import ALIASES, BASELINES
 from osdp_lightning.choices import checkpointing, groups, replicate, split, zero2, zero3
 from osdp_lightning.choices.base import (
     REGISTRY,
@@ -34,14 +33,15 @@ from osdp_lightning.choices.base import (
 )
 from osdp_lightning.choices.groups import hsdp_choice, zero3_reshard_choice
 from osdp_lightning.choices.split import choice as split_choice
+from osdp_lightning.cost.aliases import ALIASES, BASELINES
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from osdp_lightning.apply import Meshes
-    from osdp_lightning.cluster import ClusterSpec
-    from osdp_lightning.cost import ChoiceCost, CostContext
-    from osdp_lightning.profile import UnitProfile
+    from osdp_lightning.cost.cluster import ClusterSpec
+    from osdp_lightning.cost.cost import ChoiceCost, CostContext
+    from osdp_lightning.profiling.profile import UnitProfile
+    from osdp_lightning.runtime.meshes import Meshes
 
 # Registration order is the order of the choice space (the solver keeps the first of equal choices).
 for _family in (replicate.FAMILY, zero2.FAMILY, zero3.FAMILY, split.FAMILY, groups.HSDP, groups.ZERO3_RESHARD):

@@ -23,16 +23,16 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from osdp_lightning.replicate import ignored_for
-from osdp_lightning.step_terms import Affine, GroupTerms, register_group_terms
+from osdp_lightning.cost.step_terms import Affine, GroupTerms, register_group_terms
+from osdp_lightning.runtime.replicate import ignored_for
 
 if TYPE_CHECKING:  # NOTE: annotations only: apply.py imports this package
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from osdp_lightning.apply import Meshes
-    from osdp_lightning.cluster import ClusterSpec
-    from osdp_lightning.cost import ChoiceCost, CostContext
-    from osdp_lightning.profile import ModelProfile, UnitProfile
+    from osdp_lightning.cost.cluster import ClusterSpec
+    from osdp_lightning.cost.cost import ChoiceCost, CostContext
+    from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
+    from osdp_lightning.runtime.meshes import Meshes
 
 _NAME_RE = re.compile(r"^(?P<kind>[a-z][a-z0-9_]*)(?:\((?P<params>[^()]*)\))?(?P<mods>(?:\+[a-z][a-z0-9_]*)*)$")
 _PARAM_RE = re.compile(r"^\s*([a-z_]+)\s*=\s*(\d+)\s*$")
@@ -316,7 +316,7 @@ def fully_shard_apply(kwargs: Callable[[Choice, Meshes], dict]) -> ApplyFn:
     def apply(model: nn.Module, module_names: tuple[str, ...], choice: Choice, meshes: Meshes,
               mp_policy: MixedPrecisionPolicy) -> None:
         target = unit_modules(model, module_names)
-        # NOTE: replicated units below this one stay plain tensors on DDP's reducer (osdp_lightning/replicate.py).
+        # NOTE: replicated units below this one stay plain tensors on DDP's reducer (osdp_lightning/runtime/replicate.py).
         ignored = ignored_for(target)
         check_one_dtype(target, ignored, module_names, choice)
         extra = {"ignored_params": ignored} if ignored else {}

@@ -33,9 +33,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from osdp_lightning.choices.base import Choice, ChoiceModifier, ChoiceOptions
-from osdp_lightning.cost import ChoiceCost, CostContext
-from osdp_lightning.profile import UnitProfile
-from osdp_lightning.units import ROOT
+from osdp_lightning.cost.cost import ChoiceCost, CostContext
+from osdp_lightning.profiling.profile import UnitProfile
+from osdp_lightning.profiling.units import ROOT
 
 NAME = "ckpt"
 MODES = ("auto", "never", "always")

@@ -13,9 +13,9 @@ import dataclasses
 from osdp_lightning.choices.base import Choice, ChoiceFamily, ChoiceOptions, fully_shard_apply
 from osdp_lightning.choices.zero3 import TERMS as ZERO3_TERMS
 from osdp_lightning.choices.zero3 import sharded_cost
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.cost import ChoiceCost, CostContext, UnitBytes, all_reduce_s, ceil_div
-from osdp_lightning.profile import UnitProfile
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.cost.cost import ChoiceCost, CostContext, UnitBytes, all_reduce_s, ceil_div
+from osdp_lightning.profiling.profile import UnitProfile
 
 
 def hsdp_choice(group: int) -> Choice:

@@ -1,6 +1,6 @@
 """``replicate``: every rank keeps the whole unit and all-reduces its gradients (DDP's layout).
 
-Applied with DDP's own machinery (``osdp_lightning/replicate.py``): the unit's parameters stay
+Applied with DDP's own machinery (``osdp_lightning/runtime/replicate.py``): the unit's parameters stay
 plain tensors, and one DDP reducer for every replicated parameter of the plan all-reduces their
 gradients in buckets during backward. Applying only marks the unit; ``apply_plan`` builds the
 reducer once every unit is applied.
@@ -19,11 +19,16 @@ from osdp_lightning.choices.base import (
     unit_modules,
     whole_unit_calibration,
 )
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.cost import ChoiceCost, CostContext, UnitBytes, all_reduce_s
-from osdp_lightning.profile import UnitProfile
-from osdp_lightning.replicate import BUCKET_CAP_MB, build_replicate_reducer, finish_replicate, mark_replicated
-from osdp_lightning.step_terms import GroupTerms
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.cost.cost import ChoiceCost, CostContext, UnitBytes, all_reduce_s
+from osdp_lightning.cost.step_terms import GroupTerms
+from osdp_lightning.profiling.profile import UnitProfile
+from osdp_lightning.runtime.replicate import (
+    BUCKET_CAP_MB,
+    build_replicate_reducer,
+    finish_replicate,
+    mark_replicated,
+)
 
 CHOICE = Choice("replicate")
 TERMS = GroupTerms("replicate", overhead={"cpu": (1.5e-3, 0.8e-9), "gpu": (1.0e-4, 0.0)},

@@ -1,7 +1,7 @@
 """``split(k=K, sharded=J)``: a Linear cut into ``K`` slices along ``in_features`` (OSDP's
 operator splitting), ``J`` slices zero3 and ``K - J`` replicated.
 
-Applied by replacing the Linear with :class:`osdp_lightning.split.SplitLinear` and sharding its
+Applied by replacing the Linear with :class:`osdp_lightning.runtime.split.SplitLinear` and sharding its
 slices one by one (each slice its own all-gather group). Its cost needs what cutting each Linear
 costs, measured on the profiled model (:func:`measure_overheads`); its replicated slices are a
 group kind of their own in the step model (:data:`TERMS`, calibrated by :func:`fit_terms`).
@@ -26,8 +26,8 @@ from osdp_lightning.choices.base import (
     StepContext,
     TermsFit,
 )
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.cost import (
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.cost.cost import (
     ChoiceCost,
     CostContext,
     all_gather_s,
@@ -35,10 +35,10 @@ from osdp_lightning.cost import (
     ceil_div,
     reduce_scatter_s,
 )
-from osdp_lightning.guards import preserved_rng, preserved_state
-from osdp_lightning.profile import ModelProfile, UnitProfile, logging_disabled, loss_runner
-from osdp_lightning.split import measure_split_overhead_s, shard_split_linear, split_linear_in_module
-from osdp_lightning.step_terms import Affine, GroupTerms
+from osdp_lightning.cost.step_terms import Affine, GroupTerms
+from osdp_lightning.profiling.profile import ModelProfile, UnitProfile, logging_disabled, loss_runner
+from osdp_lightning.runtime.guards import preserved_rng, preserved_state
+from osdp_lightning.runtime.split import measure_split_overhead_s, shard_split_linear, split_linear_in_module
 
 TERMS = GroupTerms("split_replicated", overhead={"cpu": (1.5e-3, 0.9e-9), "gpu": (2.0e-4, 0.0)},
                    optimizer={"cpu": (1.0e-4, 1.8e-9), "gpu": (1.5e-5, 3.5e-12)})
@@ -54,7 +54,7 @@ def choice(k: int, sharded: int) -> Choice:
 
 def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
     """Cost of ``split(k, sharded)``. The first ``sharded`` slices are zero3 (own all-gather group
-    each), the other ``k - sharded`` replicated on DDP's reducer (``osdp_lightning/replicate.py``,
+    each), the other ``k - sharded`` replicated on DDP's reducer (``osdp_lightning/runtime/replicate.py``,
     plain tensors: no copy); the bias (``out`` parameters) stays whole, in the enclosing unit's
     group. Assumptions, checked with FSDPMemTracker on 2 gloo ranks (fp32, measured within 3% of
     peak minus start-of-step bytes):

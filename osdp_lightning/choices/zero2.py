@@ -13,10 +13,10 @@ from osdp_lightning.choices.base import (
     whole_unit_calibration,
 )
 from osdp_lightning.choices.zero3 import sharded_cost
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.cost import ChoiceCost, CostContext
-from osdp_lightning.profile import UnitProfile
-from osdp_lightning.step_terms import GroupTerms
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.cost.cost import ChoiceCost, CostContext
+from osdp_lightning.cost.step_terms import GroupTerms
+from osdp_lightning.profiling.profile import UnitProfile
 
 CHOICE = Choice("zero2")
 TERMS = GroupTerms("zero2", overhead={"cpu": (1.5e-3, 0.9e-9), "gpu": (2.0e-4, 0.0)},

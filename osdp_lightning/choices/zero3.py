@@ -12,10 +12,17 @@ from osdp_lightning.choices.base import (
     fully_shard_apply,
     whole_unit_calibration,
 )
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.cost import ChoiceCost, CostContext, UnitBytes, all_gather_s, ceil_div, reduce_scatter_s
-from osdp_lightning.profile import UnitProfile
-from osdp_lightning.step_terms import GroupTerms
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.cost.cost import (
+    ChoiceCost,
+    CostContext,
+    UnitBytes,
+    all_gather_s,
+    ceil_div,
+    reduce_scatter_s,
+)
+from osdp_lightning.cost.step_terms import GroupTerms
+from osdp_lightning.profiling.profile import UnitProfile
 
 CHOICE = Choice("zero3")
 TERMS = GroupTerms("zero3", overhead={"cpu": (2.5e-3, 1.8e-9), "gpu": (3.0e-4, 0.0)},

@@ -11,15 +11,15 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from osdp_lightning.budget import (
+from osdp_lightning.cost.budget import (
     UNMEASURED_HEADROOM_FRACTION,
     PlanHeadroom,
     device_memory_bytes,
     parse_memory_budget,
     plan_headroom,
 )
-from osdp_lightning.cluster import ClusterSpec, cluster_spec_from_config
-from osdp_lightning.config import OSDPConfig
+from osdp_lightning.cost.cluster import ClusterSpec, cluster_spec_from_config
+from osdp_lightning.integration.config import OSDPConfig
 
 CONFIG_PATH = "pkg://osdp_lightning.conf"
 """The configs ship as the ``conf`` package, so installed console scripts find them anywhere."""
@@ -40,7 +40,7 @@ def cluster_world_size(cluster: DictConfig) -> int:
 
 
 def cluster_spec(cluster: DictConfig, budget_bytes: int | None = None, live: bool = False) -> ClusterSpec:
-    """The cost model's view of a ``conf/cluster`` entry (see :mod:`osdp_lightning.cluster`).
+    """The cost model's view of a ``conf/cluster`` entry (see :mod:`osdp_lightning.cost.cluster`).
 
     ``budget_bytes`` overrides the config's budget (a resolved ``"95%ddp"``). With ``live`` (the
     cluster is this machine), ``"70%"`` is a share of this machine's device as the strategy takes

@@ -4,7 +4,7 @@
 
 ``CKPT`` is a checkpoint osdp saved (a sharded directory or a consolidated ``.ckpt``); ``DIR``
 then loads with ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``. Runs in one process,
-without a process group (:func:`osdp_lightning.export.export_hf`).
+without a process group (:func:`osdp_lightning.state.export.export_hf`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from osdp_lightning.budget import format_bytes, parse_bytes
-from osdp_lightning.export import export_hf
+from osdp_lightning.cost.budget import format_bytes, parse_bytes
+from osdp_lightning.state.export import export_hf
 
 
 def parser() -> argparse.ArgumentParser:

@@ -20,8 +20,6 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from osdp_lightning import dryrun
-from osdp_lightning.budget import format_bytes, parse_memory_budget
 from osdp_lightning.cli.common import (
     CONFIG_PATH,
     check_cluster_runs_here,
@@ -31,12 +29,14 @@ from osdp_lightning.cli.common import (
     strategy_config,
     write_json,
 )
-from osdp_lightning.optim_state import configured_optimizer
-from osdp_lightning.pipeline import profile_model
-from osdp_lightning.plan import Plan
-from osdp_lightning.planner import Planner, PlanOptions
-from osdp_lightning.plot import try_plot_plan
-from osdp_lightning.profile import ModelProfile
+from osdp_lightning.cost.budget import format_bytes, parse_memory_budget
+from osdp_lightning.plan import dryrun
+from osdp_lightning.plan.pipeline import profile_model
+from osdp_lightning.plan.plan import Plan
+from osdp_lightning.plan.planner import Planner, PlanOptions
+from osdp_lightning.profiling.optim_state import configured_optimizer
+from osdp_lightning.profiling.profile import ModelProfile
+from osdp_lightning.report.plot import try_plot_plan
 
 
 def profile_recipe(cfg: DictConfig) -> tuple[ModelProfile, int]:

@@ -24,8 +24,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from osdp_lightning.budget import absolute_budget_bytes, format_bytes
 from osdp_lightning.cli.common import choice_names
+from osdp_lightning.cost.budget import absolute_budget_bytes, format_bytes
 
 FAILED_JOBS: list[str] = []
 """Jobs of this process's sweep that failed (``osdp-train`` exits non-zero when any did)."""

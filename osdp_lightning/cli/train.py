@@ -29,8 +29,6 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from omegaconf import DictConfig
 
 import osdp_lightning  # noqa: F401  (registers strategy="osdp")
-from osdp_lightning.budget import absolute_budget_bytes
-from osdp_lightning.callbacks import TrainingSummary
 from osdp_lightning.cli import sweep
 from osdp_lightning.cli.common import (
     CONFIG_PATH,
@@ -40,10 +38,12 @@ from osdp_lightning.cli.common import (
     output_dir,
     write_json,
 )
-from osdp_lightning.plot import try_plot_plan
-from osdp_lightning.pretrained import PretrainedWeights
-from osdp_lightning.report import format_comparison, prediction_errors
-from osdp_lightning.strategy import OSDPStrategy
+from osdp_lightning.cost.budget import absolute_budget_bytes
+from osdp_lightning.integration.callbacks import TrainingSummary
+from osdp_lightning.integration.strategy import OSDPStrategy
+from osdp_lightning.report.plot import try_plot_plan
+from osdp_lightning.report.report import format_comparison, prediction_errors
+from osdp_lightning.state.pretrained import PretrainedWeights
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from osdp_lightning.solve.search import (
     smallest_feasible_budget,
     solve_choice_table,
 )
-from osdp_lightning.solvers import (
+from osdp_lightning.solve.solvers import (
     FEASIBLE,
     INFEASIBLE,
     NOT_SOLVED,

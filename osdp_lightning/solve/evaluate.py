@@ -1,4 +1,4 @@
-"""Evaluating an assignment (a choice per unit of a :class:`~osdp_lightning.cost.ChoiceTable`) under the
+"""Evaluating an assignment (a choice per unit of a :class:`~osdp_lightning.cost.cost.ChoiceTable`) under the
 model the ILP uses: its exact peak bytes per rank (:func:`peak_bytes`, :func:`moment_bytes`) and step
 seconds (:func:`step_seconds`), and the bounds no assignment passes (:func:`peak_lower_bound`,
 :func:`step_lower_bound`). The ILP's rows (:mod:`osdp_lightning.solve.model`) are the linear form of
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from osdp_lightning.cost import ChoiceCost, ChoiceTable, UnitCosts
-from osdp_lightning.solvers import FEASIBLE, OPTIMAL, TIME_LIMIT
+from osdp_lightning.cost.cost import ChoiceCost, ChoiceTable, UnitCosts
+from osdp_lightning.solve.solvers import FEASIBLE, OPTIMAL, TIME_LIMIT
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from osdp_lightning.cost import ChoiceTable
+from osdp_lightning.cost.cost import ChoiceTable
 from osdp_lightning.solve.evaluate import (
     Solution,
     buffer_bytes,
@@ -19,7 +19,7 @@ from osdp_lightning.solve.evaluate import (
     step_seconds,
     transient_ceiling,
 )
-from osdp_lightning.solvers import INFEASIBLE, OPTIMAL
+from osdp_lightning.solve.solvers import INFEASIBLE, OPTIMAL
 
 _MAX_DP_CELLS = 5 * 10**8
 

@@ -1,4 +1,4 @@
-"""The integer program for one :class:`~osdp_lightning.cost.ChoiceTable` (all bytes per rank).
+"""The integer program for one :class:`~osdp_lightning.cost.cost.ChoiceTable` (all bytes per rank).
 
 - ``x[u,c]`` binary, ``sum_c x[u,c] = 1`` for every unit ``u``;
 - memory: ``sum(state + live) x + T + activation_bytes + fixed_bytes <= budget``, with
@@ -37,8 +37,8 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from osdp_lightning import solvers
-from osdp_lightning.cost import ChoiceCost, ChoiceTable
+from osdp_lightning.cost.cost import ChoiceCost, ChoiceTable
+from osdp_lightning.solve import solvers
 from osdp_lightning.solve.evaluate import (
     MEMORY_PARTS,
     buffer_bytes,
@@ -55,7 +55,7 @@ from osdp_lightning.solve.evaluate import (
     transient_ceiling,
     undominated,
 )
-from osdp_lightning.symmetry import Forbidden, forbidden_orders, sorted_plan
+from osdp_lightning.solve.symmetry import Forbidden, forbidden_orders, sorted_plan
 
 # NOTE: PuLP comes through solvers.py, whose import guard says how to install it when it is missing.
 pulp = solvers.pulp
@@ -85,7 +85,7 @@ class Model:
     objective_unit_s: float
     """Seconds per unit of the step objective (:func:`step_objective`)."""
     forbidden: Forbidden
-    """Orders of identical neighbours the model rules out (:mod:`osdp_lightning.symmetry`)."""
+    """Orders of identical neighbours the model rules out (:mod:`osdp_lightning.solve.symmetry`)."""
     columns: tuple[pulp.LpVariable, ...]
     """Every variable (``T``, the suffix and carry variables, the binaries), so the solver need not
     collect them from the rows."""

@@ -1,7 +1,7 @@
 """Searching the integer program (:mod:`osdp_lightning.solve.model`): the fastest plan within a budget,
 the k best plans, and the smallest budget any plan fits.
 
-Solved by HiGHS, or CBC without ``highspy`` (:mod:`osdp_lightning.solvers`), to the proven optimum
+Solved by HiGHS, or CBC without ``highspy`` (:mod:`osdp_lightning.solve.solvers`), to the proven optimum
 unless a gap or a time limit is given, or HiGHS has run :data:`SETTLE_AFTER_S` and has a plan
 proven within :data:`SETTLE_GAP` (status ``Feasible`` and that gap). Before any solver runs: the
 plan of each unit's fastest choice is the answer when it fits (it reaches the lower bound), and the
@@ -17,8 +17,8 @@ import math
 import time
 from dataclasses import replace
 
-from osdp_lightning import solvers
-from osdp_lightning.cost import ChoiceTable
+from osdp_lightning.cost.cost import ChoiceTable
+from osdp_lightning.solve import solvers
 from osdp_lightning.solve.evaluate import (
     Solution,
     check_table,
@@ -41,7 +41,7 @@ from osdp_lightning.solve.model import (
     slowest_s,
     step_objective,
 )
-from osdp_lightning.solvers import (
+from osdp_lightning.solve.solvers import (
     FEASIBLE,
     INFEASIBLE,
     NOT_SOLVED,
@@ -112,7 +112,7 @@ def solve_choice_table(table: ChoiceTable, budget_bytes: int, time_limit_s: floa
     the gap, unless it is proven optimal anyway). Without ``gap``, HiGHS proves the optimum or,
     once a run has taken :data:`SETTLE_AFTER_S`, stops within :data:`SETTLE_GAP` (said as with
     ``gap``); ``gap=0`` proves it however long that takes. ``solver``: ``"highs"`` or ``"cbc"``
-    (default: :func:`~osdp_lightning.solvers.pick_solver`).
+    (default: :func:`~osdp_lightning.solve.solvers.pick_solver`).
     """
     start = time.perf_counter()
     check_table(table)

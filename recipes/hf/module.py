@@ -15,7 +15,7 @@ class HFCausalLMModule(LanguageModelTask):
 
     The model is built here, in ``__init__``, so that Lightning's ``trainer.init_module()`` context
     (the meta device under ``meta_init=true``) applies to it; strategy=osdp then initialises it as
-    ``transformers`` would (:mod:`osdp_lightning.hf_init`). Batches are the GPT recipe's:
+    ``transformers`` would (:mod:`osdp_lightning.profiling.hf_init`). Batches are the GPT recipe's:
     ``{"input_ids": (B, T), "labels": (B, T)}`` with the labels already shifted one token left.
     """
 

@@ -34,7 +34,7 @@ def run(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     try:
         from osdp_lightning import calibrate
-        from osdp_lightning.apply import build_meshes
+        from osdp_lightning.runtime.meshes import build_meshes
 
         device = torch.device("cpu")
         optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from osdp_lightning.plan import Plan, UnitPlan
-from osdp_lightning.units import ROOT, select_units, unit_param_counts
+from osdp_lightning.plan.plan import Plan, UnitPlan
+from osdp_lightning.profiling.units import ROOT, select_units, unit_param_counts
 
 # One of each choice on 2 ranks (MLP units: net.0, net.2, net.4, net.6; net.8 stays with the root).
 MIXED = {"net.0": "replicate", "net.2": "zero3", "net.4": "split(k=2, sharded=1)", "net.6": "zero2", ROOT: "zero3"}

@@ -28,8 +28,8 @@ from toy_models import MLP  # noqa: E402
 
 import osdp_lightning  # noqa: E402,F401  (registers "osdp")
 from osdp_lightning import OSDPStrategy  # noqa: E402
-from osdp_lightning import checkpoint as checkpoint_io  # noqa: E402
-from osdp_lightning.resume import ResumableDataLoader  # noqa: E402
+from osdp_lightning.state import checkpoint as checkpoint_io  # noqa: E402
+from osdp_lightning.state.resume import ResumableDataLoader  # noqa: E402
 
 
 class ResumeMLP(MLP):

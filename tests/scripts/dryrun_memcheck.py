@@ -1,7 +1,7 @@
 """Check the dry run's per-rank memory against FSDPMemTracker under a fake process group.
 
 One process, no GPU: for each world size a ``fake`` process group of that size is created, the
-dry-run plan is applied with :func:`osdp_lightning.apply.apply_plan` to the model on the meta
+dry-run plan is applied with :func:`osdp_lightning.apply.apply.apply_plan` to the model on the meta
 device, the model is materialised on fake tensors and one training step (forward, backward,
 optimizer step) runs inside ``FSDPMemTracker``. Its peak is compared with the plan's
 ``predicted_peak_bytes``.
@@ -26,15 +26,16 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from osdp_lightning.apply import apply_plan, build_meshes
-from osdp_lightning.budget import format_bytes
+from osdp_lightning.apply.apply import apply_plan
 from osdp_lightning.choices import hsdp_choice, zero3_reshard_choice
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.dryrun import dry_run_plan, estimate_profile
-from osdp_lightning.fakestep import build_meta_module, fake_batch, fake_mode, step_runner
-from osdp_lightning.optim_state import configured_optimizer
-from osdp_lightning.plan import Plan
-from osdp_lightning.profile import ModelProfile, logging_disabled
+from osdp_lightning.cost.budget import format_bytes
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.plan.dryrun import dry_run_plan, estimate_profile
+from osdp_lightning.plan.plan import Plan
+from osdp_lightning.profiling.fakestep import build_meta_module, fake_batch, fake_mode, step_runner
+from osdp_lightning.profiling.optim_state import configured_optimizer
+from osdp_lightning.profiling.profile import ModelProfile, logging_disabled
+from osdp_lightning.runtime.meshes import build_meshes
 
 RANKS_PER_NODE = 8
 PEAK_FLOPS = 3.12e14
@@ -116,7 +117,7 @@ def toy_gpt_inputs() -> tuple:
 
 
 def recipe_inputs(model_name: str) -> tuple:
-    from osdp_lightning.dryrun import compose_config, recipe_model_and_batch
+    from osdp_lightning.plan.dryrun import compose_config, recipe_model_and_batch
 
     factory, batch, _ = recipe_model_and_batch(compose_config([f"model={model_name}"]))
     return factory, batch

@@ -36,11 +36,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 from osdp_lightning import OSDPFabricStrategy
-from osdp_lightning.checkpoint import model_state
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.estimate import estimate_profile
-from osdp_lightning.plan import Plan, fixed_plan
-from osdp_lightning.profile import with_parts
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.plan.plan import Plan, fixed_plan
+from osdp_lightning.profiling.estimate import estimate_profile
+from osdp_lightning.profiling.profile import with_parts
+from osdp_lightning.state.checkpoint import model_state
 
 
 def gpt_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

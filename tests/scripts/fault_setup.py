@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_plans import MIXED, fixed_plan  # noqa: E402
 from toy_models import MLP  # noqa: E402
 
-import osdp_lightning.setup_core as setup_core  # noqa: E402
+import osdp_lightning.integration.setup_core as setup_core  # noqa: E402
 from osdp_lightning import OSDPStrategy  # noqa: E402
 
 INJECTED = "injected failure for the fail-fast test"

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_run import ResumeMLP, whole_state  # noqa: E402
 
 from osdp_lightning import OSDPStrategy  # noqa: E402
-from osdp_lightning import checkpoint as checkpoint_io  # noqa: E402
+from osdp_lightning.state import checkpoint as checkpoint_io  # noqa: E402
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 RANK = int(os.environ.get("RANK", "0"))

@@ -25,9 +25,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import osdp_lightning  # noqa: F401  (registers "osdp")
 from osdp_lightning import OSDPStrategy
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.measure import profile_lightning_module
-from osdp_lightning.plan import Plan, fixed_plan
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.plan.measure import profile_lightning_module
+from osdp_lightning.plan.plan import Plan, fixed_plan
 
 VOCAB, SEQ, STEPS = 256, 32, 8
 CONFIG = hf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -32,7 +32,7 @@ from toy_models import MODELS  # noqa: E402
 
 from osdp_lightning import OSDPStrategy  # noqa: E402
 from osdp_lightning.choices import parse  # noqa: E402
-from osdp_lightning.cluster import environment_topology, live_cluster_spec, measure_node_collectives  # noqa: E402
+from osdp_lightning.cost.cluster import environment_topology, live_cluster_spec, measure_node_collectives  # noqa: E402
 
 
 def hsdp_shard_groups(module: torch.nn.Module, plan_units: list[dict]) -> dict[str, list[int]]:

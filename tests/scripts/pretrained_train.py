@@ -28,11 +28,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import osdp_lightning  # noqa: F401  (registers "osdp")
 from osdp_lightning import OSDPStrategy, PretrainedWeights
-from osdp_lightning.canonical import model_state
-from osdp_lightning.cluster import ClusterSpec
-from osdp_lightning.estimate import estimate_profile
-from osdp_lightning.plan import Plan, fixed_plan
-from osdp_lightning.profile import with_parts
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.plan.plan import Plan, fixed_plan
+from osdp_lightning.profiling.estimate import estimate_profile
+from osdp_lightning.profiling.profile import with_parts
+from osdp_lightning.state.canonical import model_state
 
 CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import osdp_lightning  # noqa: F401  (registers "osdp")
-from osdp_lightning import shutdown
+from osdp_lightning.runtime import shutdown
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""osdp's reduce-scatter on gloo (osdp_lightning/collectives.py) on 2 ranks: results and memory.
+"""osdp's reduce-scatter on gloo (osdp_lightning/runtime/collectives.py) on 2 ranks: results and memory.
 
 Run as a script (it spawns its own 2 ranks unless a launcher started them):
     python reduce_check.py [--out result.json]
@@ -24,7 +24,7 @@ TORCH_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 def check_results(rank: int) -> dict:
-    from osdp_lightning.collectives import reduce_in_place
+    from osdp_lightning.runtime.collectives import reduce_in_place
 
     generator = torch.Generator().manual_seed(rank)
     for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
@@ -51,7 +51,7 @@ def tracked_rise_bytes(reduce) -> int:  # noqa: ANN001
 
 
 def check_memory() -> dict:
-    from osdp_lightning.collectives import reduce_in_place
+    from osdp_lightning.runtime.collectives import reduce_in_place
 
     ours = tracked_rise_bytes(lambda out, data: reduce_in_place(out, data, dist.group.WORLD, dist.ReduceOp.SUM))
     gloo = tracked_rise_bytes(lambda out, data: TORCH_REDUCE_SCATTER(out, data))
@@ -67,7 +67,7 @@ def blocks() -> nn.Module:
 def train(in_place: bool, rank: int, mesh) -> tuple[list[float], dict[str, torch.Tensor]]:  # noqa: ANN001
     from torch.distributed.fsdp import fully_shard
 
-    from osdp_lightning.collectives import reduce_in_place_on_gloo
+    from osdp_lightning.runtime.collectives import reduce_in_place_on_gloo
 
     model = blocks()
     for block in model[:3]:

@@ -36,7 +36,7 @@ def small_model() -> nn.Module:
 def shard_small_model(model: nn.Module, meshes: tuple) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    from osdp_lightning.split import shard_split_linear, split_linear_in_module
+    from osdp_lightning.runtime.split import shard_split_linear, split_linear_in_module
 
     shard, replicate = meshes
     # Layer 2: 4 slices, 2 sharded and 2 replicated; layer 4: 7 rows, uneven over 2 ranks.
@@ -116,7 +116,7 @@ def check_checkpoints(rank: int, meshes: tuple) -> dict:
 
 
 def memory_profile(k: int) -> tuple:
-    from osdp_lightning.profile import ModelProfile, UnitProfile
+    from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
 
     unit = UnitProfile("2", ("2",), HIDDEN * HIDDEN + HIDDEN, 0, 0.0, 0.0, 0,
                        linear_shape=(HIDDEN, HIDDEN), split_overhead_s=((k, 0.0),))
@@ -129,8 +129,8 @@ def measure_step_bytes(meshes: tuple, k: int, sharded: int) -> int:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from osdp_lightning.replicate import build_replicate_reducer, finish_replicate
-    from osdp_lightning.split import shard_split_linear, split_linear_in_module
+    from osdp_lightning.runtime.replicate import build_replicate_reducer, finish_replicate
+    from osdp_lightning.runtime.split import shard_split_linear, split_linear_in_module
 
     shard, _replicate = meshes
     torch.manual_seed(0)
@@ -163,8 +163,8 @@ def measure_step_bytes(meshes: tuple, k: int, sharded: int) -> int:
 
 def check_memory(rank: int, meshes: tuple) -> list[dict]:
     from osdp_lightning.choices import choice_cost, split_choice
-    from osdp_lightning.cluster import ClusterSpec
-    from osdp_lightning.cost import CostContext
+    from osdp_lightning.cost.cluster import ClusterSpec
+    from osdp_lightning.cost.cost import CostContext
 
     cluster = ClusterSpec(world_size=WORLD, memory_budget_bytes=2**40, collective_latency_s=1e-4,
                           bandwidth_bytes_per_s=1e9)

@@ -22,10 +22,10 @@ from toy_models import MODELS  # noqa: E402
 
 import osdp_lightning  # noqa: E402,F401  (registers "osdp")
 from osdp_lightning import ClusterSpec, OSDPStrategy, TrainingSummary  # noqa: E402
-from osdp_lightning.clip import total_grad_norm  # noqa: E402
-from osdp_lightning.measure import profile_lightning_module  # noqa: E402
-from osdp_lightning.plan import Plan, fixed_plan  # noqa: E402
-from osdp_lightning.replicate import replicate_reducer  # noqa: E402
+from osdp_lightning.plan.measure import profile_lightning_module  # noqa: E402
+from osdp_lightning.plan.plan import Plan, fixed_plan  # noqa: E402
+from osdp_lightning.runtime.clip import total_grad_norm  # noqa: E402
+from osdp_lightning.runtime.replicate import replicate_reducer  # noqa: E402
 
 
 def main() -> None:
@@ -138,7 +138,7 @@ class _CollectiveCounter(L.Callback):
 
 
 class _GradNormRecorder(L.Callback):
-    """The total gradient norm before clipping, at every optimizer step (any plan: osdp_lightning.clip)."""
+    """The total gradient norm before clipping, at every optimizer step (any plan: osdp_lightning.runtime.clip)."""
 
     def __init__(self) -> None:
         self.norms: list[float] = []

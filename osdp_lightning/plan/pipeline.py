@@ -1,0 +1,139 @@
+"""Profiling for planning: the whole model, or from shapes (:class:`osdp_lightning.plan.planner.Planner` solves).
+
+Two ways to profile a model (both give a :class:`~osdp_lightning.profiling.profile.ModelProfile`):
+
+- **whole**: the real training step of the whole model on one device, timed per unit
+  (:func:`~osdp_lightning.plan.measure.profile_lightning_module`). It holds about
+  :data:`WHOLE_PROFILE_WEIGHT_COPIES` copies of the weights at once (the model, a saved copy of
+  its state, its gradients) plus activations;
+- **from shapes**: a fake step for every byte, one real copy of each distinct unit for time
+  (:func:`~osdp_lightning.plan.unitbench.profile_from_shapes`); the model is never whole on a device.
+
+A model built on the meta device is always profiled from shapes; an eagerly built one is
+profiled whole when those copies fit the memory budget, from shapes otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from osdp_lightning.choices import ChoiceOptions
+from osdp_lightning.cost.budget import MemoryBudget, format_budget, format_bytes
+from osdp_lightning.plan.measure import measure_choice_overheads, profile_lightning_module
+from osdp_lightning.plan.unitbench import profile_from_shapes
+from osdp_lightning.profiling.fakestep import MIXED_PRECISION_DTYPES, FakeStepError
+from osdp_lightning.profiling.optim_state import configured_optimizer, optimizer_state_bytes_per_param
+from osdp_lightning.profiling.precision import sharded_precision, with_precision
+from osdp_lightning.profiling.profile import ModelProfile
+from osdp_lightning.profiling.units import DEFAULT_MIN_UNIT_PARAMS, select_units
+
+WHOLE_PROFILE_WEIGHT_COPIES = 3
+"""Copies of the weights the whole-model profile holds at once (model, saved state, gradients)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileOptions:
+    """How units are chosen and what profiling measures besides the step."""
+
+    unit_module_types: Sequence[str | type] | None = None
+    unit_name_patterns: Sequence[str] | None = None
+    min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS
+    repeats: int = 3
+    split_factors: tuple[int, ...] = ()
+    """Measure the overhead of splitting Linear units by these (``()``: no split choices)."""
+    check_checkpointing: bool = True
+    precision: str = "32-true"
+    """Lightning's ``precision`` flag (the fake step of a profile from shapes needs it; sharded units
+    are priced as it runs them: :mod:`osdp_lightning.profiling.precision`)."""
+    reduce_dtype: str = "float32"
+    """Under ``bf16-mixed``, the dtype sharded units reduce their gradients in."""
+
+
+def weight_bytes(module: nn.Module, names: Sequence[str] = ("",)) -> int:
+    """Bytes of the parameters of the named submodules (the whole module by default), tied ones once."""
+    params = {id(p): p for name in names for p in module.get_submodule(name).parameters()}
+    return sum(p.numel() * p.element_size() for p in params.values())
+
+
+def budget_floor_bytes(module: nn.Module, budget: MemoryBudget, device_bytes: int, world_size: int) -> int:
+    """The budget in bytes, or for a share of a baseline's peak (``"60%ddp"``) the share of that
+    baseline's state alone (weights, gradients, optimizer state: no activations), which the budget
+    is at least; known before anything is profiled."""
+    if not budget.needs_profile:
+        return budget.of_device(device_bytes)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    if not trainable:
+        return 0
+    optimizer = configured_optimizer(module)
+    elem = trainable[0].element_size()
+    optimizer_bytes = optimizer_state_bytes_per_param(optimizer, trainable[0].dtype) if optimizer else 0
+    count = sum(p.numel() for p in trainable)
+    sharded = {"replicate": 0.0, "zero2": elem + optimizer_bytes, "zero3": 2 * elem + optimizer_bytes}[budget.baseline]
+    state = count * (2 * elem + optimizer_bytes - sharded + sharded / world_size)
+    return int(budget.share * state)
+
+
+def whole_profile_fits(module: nn.Module, budget_bytes: int) -> bool:
+    """Whether profiling the whole model on one device stays within ``budget_bytes``."""
+    return WHOLE_PROFILE_WEIGHT_COPIES * weight_bytes(module) <= budget_bytes
+
+
+def check_setup_fits(module: nn.Module, options: ProfileOptions, budget_bytes: int) -> None:
+    """Raise before anything is placed when the budget cannot hold the profile from shapes itself:
+    one whole copy of the largest unit, with its gradients and a saved copy of its state."""
+    specs = select_units(module, options.unit_module_types, options.unit_name_patterns, options.min_unit_params)
+    sizes = {s.name: weight_bytes(module, s.module_names) for s in specs}
+    if not sizes:
+        return
+    largest = max(sizes, key=sizes.__getitem__)
+    need = WHOLE_PROFILE_WEIGHT_COPIES * sizes[largest]
+    if need > budget_bytes:
+        raise ValueError(
+            f"the memory budget ({format_budget(budget_bytes)} per rank) cannot hold even osdp's setup of this model: "
+            f"measuring its largest unit {largest!r} ({format_bytes(sizes[largest])} of weights) takes about "
+            f"{WHOLE_PROFILE_WEIGHT_COPIES}x that; give at least memory_budget='{format_budget(need)}' (training needs "
+            "more), or make the units smaller (unit_module_types=... / unit_name_patterns=...)")
+
+
+def profile_model(module: nn.Module, batch: object, device: torch.device, options: ProfileOptions, *,
+                  whole: bool, optimizer: torch.optim.Optimizer | None = None,
+                  step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                  ) -> ModelProfile:
+    """The profile of ``module`` training on ``batch``: whole on ``device``, or from shapes; priced
+    for sharded units that run as ``options.precision`` runs them (``16-mixed``: refused)."""
+    sharded = sharded_precision(options.precision, options.reduce_dtype)
+    units = dict(unit_module_types=options.unit_module_types, unit_name_patterns=options.unit_name_patterns,
+                 min_unit_params=options.min_unit_params)
+    if not whole:
+        # NOTE: under "bf16-true" and the like the parameters already have their dtype; the fake step
+        # needs a precision only for autocast.
+        precision = options.precision if options.precision in MIXED_PRECISION_DTYPES else "32-true"
+        try:
+            return with_precision(profile_from_shapes(
+                module, batch, device, precision=precision, step_context=step_context,
+                split_factors=options.split_factors, check_checkpointing=options.check_checkpointing,
+                repeats=options.repeats, **units), sharded)
+        except FakeStepError as err:
+            raise FakeStepError(_cannot_plan_from_shapes(module, err)) from err
+    profile = profile_lightning_module(module, batch, optimizer=optimizer, step_context=step_context,
+                                       repeats=options.repeats, check_checkpointing=options.check_checkpointing,
+                                       gather_dtype=sharded.gather_dtype, **units)
+    if options.split_factors:
+        profile = measure_choice_overheads(module, batch, profile, ChoiceOptions(split_factors=options.split_factors),
+                                           step_context)
+    return with_precision(profile, sharded)
+
+
+def _cannot_plan_from_shapes(module: nn.Module, err: FakeStepError) -> str:
+    """What failed, and what would work: the whole profile's budget (an eager build) instead."""
+    whole = WHOLE_PROFILE_WEIGHT_COPIES * weight_bytes(module)
+    return (f"osdp plans this model from shapes (its whole profile, about {WHOLE_PROFILE_WEIGHT_COPIES}x its "
+            f"weights = {format_budget(whole)}, does not fit the budget, or it is built on the meta device), but {err}. "
+            f"Build it eagerly with memory_budget='{format_budget(whole)}' or more (osdp then profiles the whole "
+            "model for real), or make that operation independent of tensor values (e.g. pass is_causal=True "
+            "instead of a mask that is inspected)")

@@ -1,0 +1,1 @@
+"""Reporting: the plan and what a run measured, as text, logged hyperparameters and a figure."""
