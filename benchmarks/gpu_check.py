@@ -65,7 +65,7 @@ def real_batch(args: argparse.Namespace, device: torch.device) -> dict:
 def profiles(args: argparse.Namespace, device: torch.device) -> dict[str, ModelProfile]:
     """The whole model's profile on ``device`` and the profile from shapes (meta module)."""
     factory, batch = module_factory(args), real_batch(args, device)
-    options = ProfileOptions(check_checkpointing=True)
+    options = ProfileOptions()
     torch.manual_seed(0)
     module = factory().to(device)
     found = {"whole": profile_model(module, batch, device, options, whole=True,

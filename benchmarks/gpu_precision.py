@@ -35,6 +35,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from benchmarks.gpu_check import _release, module_factory, real_batch
 from osdp_lightning import ClusterSpec, format_bytes, make_plan
 from osdp_lightning.apply.apply import apply_plan, step_groups_apart
+from osdp_lightning.choices import ChoiceOptions
 from osdp_lightning.integration.strategy import RootWrapper
 from osdp_lightning.plan.pipeline import ProfileOptions, profile_model
 from osdp_lightning.plan.plan import InfeasibleBudgetError, Plan
@@ -53,7 +54,7 @@ def bf16_profile(args: argparse.Namespace, device: torch.device) -> ModelProfile
     torch.manual_seed(0)
     module = module_factory(args)().to(device)
     profile = profile_model(module, real_batch(args, device), device,
-                            ProfileOptions(check_checkpointing=False, precision="bf16-mixed"), whole=True,
+                            ProfileOptions(choices=ChoiceOptions(activation_checkpointing="never"), precision="bf16-mixed"), whole=True,
                             optimizer=module.configure_optimizers()["optimizer"],
                             step_context=lambda: torch.autocast(device.type, dtype=torch.bfloat16))
     del module

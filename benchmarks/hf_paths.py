@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from benchmarks.hf_worker import HFBenchModule, Shape, token_sequences
+from osdp_lightning.choices import ChoiceOptions
 from osdp_lightning.plan.pipeline import ProfileOptions, profile_model
 from osdp_lightning.profiling.optim_state import configured_optimizer
 from osdp_lightning.profiling.profile import ModelProfile
@@ -51,7 +52,7 @@ def profile_once(family: str, shape: Shape, way: str) -> tuple[float, ModelProfi
             module = HFBenchModule(family, shape)
     batch = (token_sequences(shape, shape.batch_size),)
     start = time.perf_counter()
-    profile = profile_model(module, batch, torch.device("cpu"), ProfileOptions(split_factors=(2, 4, 8)),
+    profile = profile_model(module, batch, torch.device("cpu"), ProfileOptions(choices=ChoiceOptions(split_factors=(2, 4, 8))),
                             whole=way == "whole", optimizer=configured_optimizer(module))
     return time.perf_counter() - start, profile
 

@@ -19,6 +19,7 @@ import torch
 from osdp_lightning.recipes.gpt import GPT, GPTConfig, GPTLitModule
 
 from benchmarks.compare import load_average, source_commit
+from osdp_lightning.choices import ChoiceOptions
 from osdp_lightning.cost.budget import format_bytes
 from osdp_lightning.plan.pipeline import ProfileOptions, profile_model
 from osdp_lightning.profiling.optim_state import configured_optimizer
@@ -39,7 +40,7 @@ def profile_both(layers: int, width: int, args: argparse.Namespace) -> dict[str,
                        n_embd=width)
     tokens = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": tokens, "labels": tokens}
-    options = ProfileOptions(split_factors=(2, 4, 8))
+    options = ProfileOptions(choices=ChoiceOptions(split_factors=(2, 4, 8)))
     runs: dict[str, list] = {"whole": [], "shapes": []}
     for _ in range(args.rounds):
         for way in ("whole", "shapes"):

@@ -198,7 +198,7 @@ def test_a_unit_whose_recomputation_does_not_replay_is_never_checkpointed() -> N
     assert offered["blocks.0"] == offered["blocks.1"] == ["replicate", "zero2", "zero3"]
     plan = make_plan(profile, CLUSTER, choices=always)
     assert not any("ckpt" in u.choice for u in plan.units)
-    unchecked = profile_lightning_module(model, batch, repeats=1, check_checkpointing=False)
+    unchecked = profile_lightning_module(model, batch, repeats=1, choices=ChoiceOptions(activation_checkpointing="never"))
     assert refusal_message(unchecked.units) is None
 
 

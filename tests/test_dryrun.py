@@ -18,6 +18,7 @@ from osdp_lightning.recipes.gpt import GPT, GPTConfig, GPTLitModule  # noqa: E40
 from osdp_lightning.recipes.t5 import T5, T5Config, T5LitModule  # noqa: E402
 from toy_models import MLP, TiedLM  # noqa: E402
 
+from osdp_lightning.choices.split import split_overhead_s  # noqa: E402
 from osdp_lightning.cost.cluster import ClusterSpec  # noqa: E402
 from osdp_lightning.plan.dryrun import (  # noqa: E402
     DEFAULT_COMPUTE_EFFICIENCY,
@@ -79,7 +80,10 @@ def test_flops_per_unit_add_up_to_the_real_step() -> None:
     assert first.forward_s == second.forward_s == pytest.approx(2 * 8 * 256 * 256 * SECONDS_PER_FLOP)
     assert first.backward_s == pytest.approx(first.forward_s)  # no input gradient for the data
     assert second.backward_s == pytest.approx(2 * second.forward_s)
-    assert dict(first.split_overhead_s).keys() == {2, 4, 8}
+    # split overheads are estimated from its output bytes at the profile's price per FLOP
+    assert first.output_bytes == 8 * 256 * 4 and profile.seconds_per_flop == pytest.approx(SECONDS_PER_FLOP)
+    overheads = [split_overhead_s(first, k, profile) for k in (2, 4, 8)]
+    assert not first.split_overhead_s and 0 < overheads[0] < overheads[1] < overheads[2]
 
 
 @pytest.mark.parametrize("recipe", ["gpt", "t5"])

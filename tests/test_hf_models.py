@@ -138,7 +138,7 @@ def _run(tmp_path: Path, name: str, *args: str) -> list[dict]:
     out = tmp_path / name
     finished = run_ranks([str(SCRIPTS / "hf_train.py"), "--out", str(out), *args], tmp_path / f"{name}.log",
                          timeout_s=300)
-    assert finished.returncode == 0, finished.output[-3000:]
+    assert finished.returncode == 0, finished.log[-3000:]
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
 
 

@@ -20,6 +20,8 @@ from ckpt_launch import SCRIPTS, run_ranks  # noqa: E402
 from meta_train import CONFIG, HAND_MADE, build  # noqa: E402
 from osdp_lightning.recipes.gpt import GPT, GPTLitModule  # noqa: E402
 
+from osdp_lightning.choices import ChoiceOptions  # noqa: E402
+from osdp_lightning.choices import split as split_choice  # noqa: E402
 from osdp_lightning.cost.budget import parse_memory_budget  # noqa: E402
 from osdp_lightning.plan.measure import profile_lightning_module  # noqa: E402
 from osdp_lightning.plan.pipeline import (  # noqa: E402
@@ -40,7 +42,7 @@ def _run(tmp_path: Path, name: str, *args: str, steps: int = STEPS) -> list[dict
     out = tmp_path / name
     finished = run_ranks([str(SCRIPTS / "meta_train.py"), "--out", str(out), "--steps", str(steps), *args],
                          tmp_path / f"{name}.log", timeout_s=240)
-    assert finished.returncode == 0, finished.output[-3000:]
+    assert finished.returncode == 0, finished.log[-3000:]
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
 
 
@@ -128,7 +130,7 @@ def test_profile_from_shapes_matches_the_whole_profile_in_units_and_bytes() -> N
     """Times are measured (how close they come is a benchmark's figure, docs/benchmarks.md)."""
     with torch.device("meta"):
         meta = GPTLitModule(GPT(CONFIG))
-    shapes = profile_from_shapes(meta, _gpt_batch(), torch.device("cpu"), split_factors=(2,))
+    shapes = profile_from_shapes(meta, _gpt_batch(), torch.device("cpu"), choices=ChoiceOptions(split_factors=(2,)))
     whole = profile_lightning_module(GPTLitModule(GPT(CONFIG)), _gpt_batch())
     assert has_meta_tensors(meta)  # nothing of the model itself was materialized
     assert [u.name for u in shapes.units] == [u.name for u in whole.units]
@@ -140,6 +142,43 @@ def test_profile_from_shapes_matches_the_whole_profile_in_units_and_bytes() -> N
     assert any(dict(p.split_overhead_s) for u in blocks for p in u.parts)  # measured on the real copy
     assert shapes.activation_bytes == pytest.approx(whole.activation_bytes, rel=0.1)
     assert shapes.step_s == pytest.approx(sum(u.forward_s + u.backward_s for u in shapes.units))
+
+
+def test_kinds_of_unit_measured_apart_time_each_linear_shape_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two kinds of block (their activations differ) with Linears of one shape fed one input shape:
+    the profile from shapes times splitting that Linear once, as the whole profile does."""
+    class Block(nn.Module):
+        def __init__(self, act: nn.Module) -> None:
+            super().__init__()
+            self.fc1, self.act, self.fc2 = nn.Linear(64, 64), act, nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.fc2(self.act(self.fc1(x)))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(nn.ReLU()), Block(nn.Tanh())])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    timed: list[tuple[tuple[int, ...], int]] = []
+    real = split_choice.measure_split_overhead_s
+
+    def counting(linear: nn.Linear, x: torch.Tensor, k: int, *args: object, **kwargs: object) -> float:
+        timed.append((tuple(x.shape), k))
+        return real(linear, x, k, *args, **kwargs)
+    monkeypatch.setattr(split_choice, "measure_split_overhead_s", counting)
+    with torch.device("meta"):
+        model = Model()
+    profile = profile_from_shapes(model, torch.randn(8, 64), torch.device("cpu"), min_unit_params=1000,
+                                  choices=ChoiceOptions(split_factors=(2, 4)), repeats=1)
+    assert sorted(timed) == [((8, 64), 2), ((8, 64), 4)]
+    parts = [p for u in profile.units for p in u.parts]
+    assert len(parts) == 4 and len({p.split_overhead_s for p in parts}) == 1 and dict(parts[0].split_overhead_s).keys() == {2, 4}
 
 
 def test_a_unit_that_cannot_run_alone_is_a_clear_error() -> None:

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from toy_models import MLP, Regression, TiedLM  # noqa: E402
 
 from osdp_lightning.apply.apply import mixed_precision_policy  # noqa: E402
-from osdp_lightning.choices import Choice  # noqa: E402
+from osdp_lightning.choices import Choice, ChoiceOptions  # noqa: E402
 from osdp_lightning.choices.base import check_one_dtype  # noqa: E402
 from osdp_lightning.cost.cluster import ClusterSpec  # noqa: E402
 from osdp_lightning.integration.config import OSDPConfig  # noqa: E402
@@ -43,7 +43,7 @@ def mlp_profile() -> ModelProfile:
     """The 4-block MLP measured under autocast, as the strategy measures it under bf16-mixed."""
     model = MLP(width=WIDTH)
     return profile_lightning_module(model, next(iter(model.train_dataloader())), step_context=autocast, repeats=1,
-                                    optimizer=model.configure_optimizers(), check_checkpointing=False,
+                                    optimizer=model.configure_optimizers(), choices=ChoiceOptions(activation_checkpointing="never"),
                                     gather_dtype=torch.bfloat16)
 
 
@@ -74,7 +74,7 @@ def test_what_sharded_units_save_is_measured_as_fsdp2_runs_them_and_estimated_al
     weights and keeps its residual stream and norms' inputs in bf16, where autocast kept them fp32."""
     batch = next(iter(TiedLM().train_dataloader()))
     model = TiedLM()
-    measured = profile_lightning_module(model, batch, step_context=autocast, check_checkpointing=False, repeats=1,
+    measured = profile_lightning_module(model, batch, step_context=autocast, choices=ChoiceOptions(activation_checkpointing="never"), repeats=1,
                                         optimizer=model.configure_optimizers(), gather_dtype=torch.bfloat16)
     estimated = estimate_profile(TiedLM, batch, peak_flops_per_s=1e12, precision="bf16-mixed")
     fields = ("name", "activation_bytes", "cast_param_bytes", "sharded_activation_bytes")
@@ -127,7 +127,7 @@ class HalfBiasMLP(Regression):
 def test_a_unit_of_mixed_dtypes_is_replicated_and_refused_by_name_when_sharded() -> None:
     model = HalfBiasMLP()
     profile = profile_lightning_module(model, next(iter(model.train_dataloader())), min_unit_params=1000,
-                                       optimizer=model.configure_optimizers(), check_checkpointing=False)
+                                       optimizer=model.configure_optimizers(), choices=ChoiceOptions(activation_checkpointing="never"))
     units = {u.name: u for u in profile.units}
     assert units["mixed"].param_dtypes == ("bfloat16", "float32") and units["mixed"].mixed_dtypes
     assert not units["plain"].mixed_dtypes

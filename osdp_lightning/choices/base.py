@@ -14,8 +14,9 @@ the cost of the choice it modifies and transforms the module before the family a
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -85,6 +86,27 @@ class ChoiceOptions:
     """Group sizes of ``hsdp(g=G)`` / ``zero3(reshard=G)``; ``None``: one node's ranks on several nodes."""
     activation_checkpointing: str = "auto"
     """``auto``: the ILP decides per unit; ``never``; ``always``: every unit that can (``+ckpt``)."""
+
+
+_SESSION: contextvars.ContextVar[dict[str, dict] | None] = contextvars.ContextVar("osdp_measure_session", default=None)
+
+
+@contextlib.contextmanager
+def measurement_session() -> Iterator[None]:
+    """Measure hooks called inside it may reuse what they measured before in it (:func:`session_memo`):
+    one model's units measured one kind at a time share their Linear layers' timings."""
+    token = _SESSION.set({}) if _SESSION.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _SESSION.reset(token)
+
+
+def session_memo(owner: str) -> dict:
+    """``owner``'s memo for the current :func:`measurement_session` (a fresh dict outside one)."""
+    session = _SESSION.get()
+    return {} if session is None else session.setdefault(owner, {})
 
 
 CostFn = Callable[["UnitProfile", Choice, "CostContext"], "ChoiceCost"]
@@ -221,6 +243,8 @@ class ChoiceModifier:
     space: Callable[[ChoiceOptions, tuple[Choice, ...]], tuple[Choice, ...]]
     """The choice space with this modifier, from the options and the space without it."""
     allowed: Callable[[UnitProfile, Choice, CostContext], bool] = _always
+    measure: MeasureFn = _profile_unchanged
+    """As :attr:`ChoiceFamily.measure` (``+ckpt``: which units' recomputation replays their forward)."""
 
 
 @dataclass

@@ -8,8 +8,9 @@ Recomputation must replay the forward: the same operations on the same inputs. A
 layer (``GradientCheckpointingLayer``: ``T5Block``, ``GPT2Block``, ``BertLayer``, ...) is
 checkpointed through its own switch, which drops the key/value cache its forward would write
 (T5's decoder fills one even in training); any other unit goes through torch's composable
-``checkpoint``. Profiling runs one checkpointed step (:func:`find_unreplayable`) and a unit whose
-recomputation still differs gets no ``+ckpt`` choice (``UnitProfile.checkpoint_refusal`` says why).
+``checkpoint``. Profiling runs one checkpointed step (the modifier's ``measure`` hook,
+:func:`record_refusals`) and a unit whose recomputation still differs gets no ``+ckpt`` choice
+(``UnitProfile.checkpoint_refusal`` says why).
 
 Cost, from the cost of the same choice without checkpointing (per rank, at the table's batch):
 
@@ -25,17 +26,18 @@ import contextlib
 import dataclasses
 import functools
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from osdp_lightning.choices.base import Choice, ChoiceModifier, ChoiceOptions
+from osdp_lightning.choices.base import Choice, ChoiceModifier, ChoiceOptions, StepContext
 from osdp_lightning.cost.cost import ChoiceCost, CostContext
-from osdp_lightning.profiling.profile import UnitProfile
+from osdp_lightning.profiling.profile import ModelProfile, UnitProfile, logging_disabled, loss_runner
 from osdp_lightning.profiling.units import ROOT
+from osdp_lightning.runtime.guards import preserved_state
 
 NAME = "ckpt"
 MODES = ("auto", "never", "always")
@@ -118,6 +120,28 @@ def _enable_hugging_face_checkpointing(module: nn.Module, checkpoint_fn: Callabl
 # ---------------------------------------------------------------------------------------------
 # Checking at profiling time that recomputation replays
 # ---------------------------------------------------------------------------------------------
+def record_refusals(module: nn.Module, batch: object | None, profile: ModelProfile, options: ChoiceOptions,
+                    step_context: StepContext) -> ModelProfile:
+    """``profile`` with :attr:`UnitProfile.checkpoint_refusal` set on each unit (or part) whose
+    checkpointed step fails (:func:`find_unreplayable`: one step with every unit checkpointed, one
+    with every part, one more per unit refused); as it is where ``+ckpt`` is never offered."""
+    if options.activation_checkpointing == "never":
+        return profile
+
+    def candidates(group: Iterable[UnitProfile]) -> dict[str, tuple[str, ...]]:
+        return {u.name: u.module_names for u in group if u.name != ROOT and u.input_bytes > 0}
+
+    run_loss = loss_runner(module, batch, step_context)
+    with preserved_state(module), logging_disabled(module):
+        refused = find_unreplayable(
+            module, (candidates(profile.units), candidates(p for u in profile.units for p in u.parts)), run_loss)
+
+    def with_refusal(unit: UnitProfile) -> UnitProfile:
+        return dataclasses.replace(unit, checkpoint_refusal=refused.get(unit.name, ""),
+                                   parts=tuple(with_refusal(p) for p in unit.parts))
+    return dataclasses.replace(profile, units=tuple(with_refusal(u) for u in profile.units))
+
+
 def find_unreplayable(root: nn.Module, groups: Sequence[Mapping[str, tuple[str, ...]]],
                       run_loss: Callable[[], torch.Tensor]) -> dict[str, str]:
     """Units (name: the error) whose checkpointed forward and backward fail, checkpointed the way
@@ -200,4 +224,5 @@ def refusal_message(units: Sequence[UnitProfile]) -> str | None:
             + "\n".join(f"  {u.name}: {u.checkpoint_refusal}" for u in refused))
 
 
-MODIFIER = ChoiceModifier(name=NAME, cost=cost, apply=apply, space=space, allowed=allowed)
+MODIFIER = ChoiceModifier(name=NAME, cost=cost, apply=apply, space=space, allowed=allowed,
+                          measure=record_refusals)

@@ -25,6 +25,7 @@ from osdp_lightning.choices.base import (
     StackTimings,
     StepContext,
     TermsFit,
+    session_memo,
 )
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.cost.cost import (
@@ -45,6 +46,12 @@ TERMS = GroupTerms("split_replicated", overhead={"cpu": (1.5e-3, 0.9e-9), "gpu":
 """A replicated slice: its own FSDP2 group on the (W, 1) mesh, kept from forward to backward.
 A sharded slice is a zero3 group."""
 SPLIT_REPLICATED = TERMS.kind
+PEAK_FLOPS_PER_MEMORY_BYTE = 150.0
+"""Peak FLOP/s over memory bytes/s (A100: 312 TFLOP/s / 2 TB/s); prices the memory-bound sum of a
+split Linear's ``k`` partial outputs in a profile priced from FLOP counts (the only cost of
+splitting the FLOP count does not see)."""
+KERNEL_LAUNCH_S = 1e-5
+"""Fixed seconds of one extra kernel (a split Linear runs ``k`` matmuls per pass instead of one)."""
 
 
 def choice(k: int, sharded: int) -> Choice:
@@ -81,9 +88,10 @@ def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
         raise ValueError(f"k={k} does not split in_features={in_features} of unit {unit.name!r}")
     if not 0 <= sharded <= k:
         raise ValueError(f"sharded must be in [0, {k}], got {sharded}")
-    overhead = dict(unit.split_overhead_s)
-    if k not in overhead:
-        raise ValueError(f"unit {unit.name!r} has no measured split overhead for k={k} (has {sorted(overhead)})")
+    overhead_s = split_overhead_s(unit, k, profile)
+    if overhead_s is None:
+        raise ValueError(f"unit {unit.name!r} has no measured split overhead for k={k} "
+                         f"(has {sorted(dict(unit.split_overhead_s))})")
     world, replicated = cluster.world_size, k - sharded
     weight = out_features * in_features
     weight_trainable = unit.param_count >= weight
@@ -121,7 +129,7 @@ def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
                 + replicated * max(0.0, all_reduce_s(grads, world, cluster) - cluster.collective_latency_s)
                 + max(0.0, bias_s - cluster.collective_latency_s))  # rides in the enclosing unit's call
     comm_s = sharded * 2 * all_gather_s(gathered, world, cluster) + ctx.once_per_step_s(reduce_s)
-    compute_s = (unit.forward_s + unit.backward_s + overhead[k]) * ctx.batch_scale
+    compute_s = (unit.forward_s + unit.backward_s + overhead_s) * ctx.batch_scale
     # Each slice is its own FSDP2 group (k per-group constants); the bias is one more zero3 tensor.
     slice_bytes = slice_params * profile.param_bytes_per_element
     machinery_s = (sharded * ctx.overhead_s(zero3.TERMS.kind, 1, slice_bytes)
@@ -137,10 +145,25 @@ def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
                       activation_bytes=activation_bytes, reduce_bytes=reduced if sharded else 0)
 
 
-def allowed(unit: UnitProfile, choice: Choice, _ctx: CostContext) -> bool:
-    """Only a Linear whose ``in_features`` ``k`` divides, with a measured split overhead for ``k``."""
+def allowed(unit: UnitProfile, choice: Choice, ctx: CostContext) -> bool:
+    """Only a Linear whose ``in_features`` ``k`` divides, with a split overhead for ``k``."""
     k = choice["k"]
-    return unit.linear_shape is not None and unit.linear_shape[1] % k == 0 and k in dict(unit.split_overhead_s)
+    return (unit.linear_shape is not None and unit.linear_shape[1] % k == 0
+            and split_overhead_s(unit, k, ctx.profile) is not None)
+
+
+def split_overhead_s(unit: UnitProfile, k: int, profile: ModelProfile) -> float | None:
+    """Extra forward+backward seconds of cutting the unit's Linear into ``k`` slices: measured
+    (:func:`measure_overheads`), or in a profile priced from FLOP counts, estimated: ``k - 1`` more
+    kernels in each of the three passes and the sum of ``k`` partial outputs (memory-bound: two
+    reads and a write per element). ``None``: neither (not a split candidate)."""
+    measured = dict(unit.split_overhead_s)
+    if k in measured:
+        return measured[k]
+    if not profile.seconds_per_flop or not unit.output_bytes:
+        return None
+    seconds_per_byte = profile.seconds_per_flop * PEAK_FLOPS_PER_MEMORY_BYTE
+    return (k - 1) * (3 * KERNEL_LAUNCH_S + 3 * unit.output_bytes * seconds_per_byte)
 
 
 def space(options: ChoiceOptions, _cluster: ClusterSpec) -> tuple[Choice, ...]:
@@ -180,7 +203,7 @@ def measure_overheads(module: nn.Module, batch: object | None, profile: ModelPro
     finally:
         for h in handles:
             h.remove()
-    measured: dict[tuple, tuple[tuple[int, float], ...]] = {}
+    measured: dict[tuple, float] = session_memo(TERMS.kind)
 
     def with_overhead(unit: UnitProfile) -> UnitProfile:
         if unit.parts:
@@ -190,12 +213,14 @@ def measure_overheads(module: nn.Module, batch: object | None, profile: ModelPro
             return unit
         linear = module.get_submodule(unit.module_names[0])
         x = inputs[unit.name]
-        # Layers of one shape fed inputs of one shape cost the same: time each kind once.
-        key = (unit.linear_shape, linear.bias is not None, tuple(x.shape), x.dtype)
-        if key not in measured:
-            with preserved_rng(), step_context():
-                measured[key] = tuple((k, max(measure_split_overhead_s(linear, x, k), 0.0)) for k in valid)
-        return dataclasses.replace(unit, split_overhead_s=measured[key])
+        # Layers of one shape fed inputs of one shape cost the same: time each kind once (in a
+        # measurement session, once for all the units measured in it).
+        key = (unit.linear_shape, linear.bias is not None, tuple(x.shape), x.dtype, x.device.type)
+        for k in valid:
+            if (key, k) not in measured:
+                with preserved_rng(), step_context():
+                    measured[key, k] = max(measure_split_overhead_s(linear, x, k), 0.0)
+        return dataclasses.replace(unit, split_overhead_s=tuple((k, measured[key, k]) for k in valid))
     return dataclasses.replace(profile, units=tuple(with_overhead(u) for u in profile.units))
 
 

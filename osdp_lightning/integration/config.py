@@ -124,9 +124,9 @@ class OSDPConfig:
         """How to profile under Lightning's ``precision``; ``split``: measure split overheads too."""
         return ProfileOptions(unit_module_types=self.unit_module_types, unit_name_patterns=self.unit_name_patterns,
                               min_unit_params=self.min_unit_params, repeats=self.profile_repeats,
-                              split_factors=tuple(self.split_factors) if split else (),
-                              check_checkpointing=self.activation_checkpointing != "never", precision=precision,
-                              reduce_dtype=self.reduce_dtype)
+                              choices=self.choice_options if split else dataclasses.replace(self.choice_options,
+                                                                                              split_factors=()),
+                              precision=precision, reduce_dtype=self.reduce_dtype)
 
 
 def _setter(config: OSDPConfig) -> Any:

@@ -51,8 +51,7 @@ def dry_run_plan(model: ModelSource, batch: object, cluster: ClusterSpec, *,
         if not cluster.peak_flops_per_s:
             raise ValueError("dry-run planning needs the cluster's peak_flops_per_s (per-device peak FLOP/s)")
         profile = estimate_profile(model, batch, peak_flops_per_s=cluster.peak_flops_per_s,
-                                   compute_efficiency=compute_efficiency, precision=precision,
-                                   split_factors=split_factors, **unit_options)  # type: ignore[arg-type]
+                                   compute_efficiency=compute_efficiency, precision=precision, **unit_options)  # type: ignore[arg-type]
     options = ChoiceOptions(split_factors=tuple(split_factors),
                             group_sizes=tuple(group_sizes) if group_sizes is not None else None,
                             activation_checkpointing=activation_checkpointing)
@@ -133,7 +132,6 @@ def estimate_recipe_profile(cfg: object, cluster: ClusterSpec) -> tuple[ModelPro
         factory, batch, peak_flops_per_s=cluster.peak_flops_per_s,
         compute_efficiency=float(cfg.get("compute_efficiency", DEFAULT_COMPUTE_EFFICIENCY)),  # type: ignore[attr-defined]
         precision=str(cfg.get("precision", default_precision)),  # type: ignore[attr-defined]
-        split_factors=tuple(strategy.get("split_factors") or ()),
         reduce_dtype=str(strategy.get("reduce_dtype") or "float32"),
         optimizer_foreach=True if cfg.cluster.accelerator == "gpu" else None, **units)  # type: ignore[attr-defined]
     return profile, tokens_per_sample

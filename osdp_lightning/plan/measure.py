@@ -1,7 +1,7 @@
 """Measuring a LightningModule whole: its real training step on one device, per unit, plus what
-the choices need measured on it (whether each unit can be checkpointed; whatever each family's
-``measure`` hook adds, e.g. what splitting each Linear costs). Above the choice families, which
-know how a unit is checkpointed or split.
+the choices need measured on it (each family's and modifier's ``measure`` hook: whether each unit
+can be checkpointed, what splitting each Linear costs). Above the choice families, which know how
+a unit is checkpointed or split.
 """
 
 from __future__ import annotations
@@ -9,14 +9,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from osdp_lightning.choices import REGISTRY, ChoiceOptions
 from osdp_lightning.choices.base import StepContext
-from osdp_lightning.choices.checkpointing import find_unreplayable
 from osdp_lightning.profiling.optim_state import optimizer_state_bytes_per_param, optimizer_step_bytes
 from osdp_lightning.profiling.profile import (
     ModelProfile,
@@ -28,7 +27,7 @@ from osdp_lightning.profiling.profile import (
     tensor_bytes,
 )
 from osdp_lightning.profiling.recorder import sharded_saved_bytes
-from osdp_lightning.profiling.units import DEFAULT_MIN_UNIT_PARAMS, ROOT, UnitSpec, select_units
+from osdp_lightning.profiling.units import DEFAULT_MIN_UNIT_PARAMS, UnitSpec, select_units
 from osdp_lightning.runtime.guards import preserved_state
 
 
@@ -39,15 +38,16 @@ def profile_lightning_module(module: nn.Module, batch: object | None = None, *,
                              min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS,
                              optimizer: torch.optim.Optimizer | None = None,
                              step_context: StepContext = contextlib.nullcontext,
-                             repeats: int = 3, check_checkpointing: bool = True,
+                             repeats: int = 3, choices: ChoiceOptions | None = None,
                              gather_dtype: torch.dtype | None = None) -> ModelProfile:
     """Profile a LightningModule's real training computation on ``batch``.
 
     Runs ``training_step(batch, 0)`` plus backward; with ``batch=None`` runs
     ``forward(example_input_array)`` and backpropagates the sum of its output.
-    ``check_checkpointing``: also run it with the units checkpointed and record, per unit, why one
-    cannot be (:func:`with_checkpoint_refusals`). ``gather_dtype``: also run it once as FSDP2 runs
-    units that gather in that dtype (``bf16-mixed``), for what they save (:func:`with_sharded_activations`).
+    Then what the choices ``choices`` offers (default ``ChoiceOptions()``) need measured on it
+    (:func:`measure_choice_overheads`: which units can be checkpointed, what splitting each Linear
+    costs). ``gather_dtype``: also run it once as FSDP2 runs units that gather in that dtype
+    (``bf16-mixed``), for what they save (:func:`with_sharded_activations`).
     """
     start = time.perf_counter()
     if not any(p.requires_grad for p in module.parameters()):
@@ -58,39 +58,20 @@ def profile_lightning_module(module: nn.Module, batch: object | None = None, *,
     run_loss = loss_runner(module, batch, step_context)
     with logging_disabled(module):
         units, activation_bytes, step_s = measure_units(module, specs, run_loss, device, repeats)
-        if check_checkpointing:
-            units = with_checkpoint_refusals(module, units, run_loss)
         if gather_dtype is not None:
             units = with_sharded_activations(module, specs, units, run_loss, gather_dtype)
     dtype = next(p for p in module.parameters() if p.requires_grad).dtype
     elem = torch.empty((), dtype=dtype).element_size()
     inputs = batch if batch is not None else getattr(module, "example_input_array", None)
-    return ModelProfile(
+    profile = ModelProfile(
         units=tuple(units), micro_batch_size=micro_batch_size or batch_size_of(inputs),
         param_bytes_per_element=elem, grad_bytes_per_element=elem, compute_bytes_per_element=elem,
         reduce_bytes_per_element=elem,
         optimizer_bytes_per_param=optimizer_state_bytes_per_param(optimizer, dtype) if optimizer else 0,
         optimizer_step_bytes=optimizer_step_bytes(optimizer, device) if optimizer else 0,
-        activation_bytes=activation_bytes, fixed_bytes=tensor_bytes(inputs), step_s=step_s,
-        profile_s=time.perf_counter() - start)
-
-
-def with_checkpoint_refusals(root: nn.Module, units: Sequence[UnitProfile], run_loss: Callable[[], torch.Tensor]
-                             ) -> list[UnitProfile]:
-    """``units`` with :attr:`UnitProfile.checkpoint_refusal` set on each unit (or part) whose
-    checkpointed step fails (:func:`osdp_lightning.choices.checkpointing.find_unreplayable`: one
-    step with every unit checkpointed, one with every part, one more per unit refused)."""
-    def candidates(group: Iterable[UnitProfile]) -> dict[str, tuple[str, ...]]:
-        return {u.name: u.module_names for u in group if u.name != ROOT and u.input_bytes > 0}
-
-    with preserved_state(root):
-        refused = find_unreplayable(root, (candidates(units), candidates(p for u in units for p in u.parts)),
-                                    run_loss)
-
-    def with_refusal(unit: UnitProfile) -> UnitProfile:
-        return dataclasses.replace(unit, checkpoint_refusal=refused.get(unit.name, ""),
-                                   parts=tuple(with_refusal(p) for p in unit.parts))
-    return [with_refusal(u) for u in units]
+        activation_bytes=activation_bytes, fixed_bytes=tensor_bytes(inputs), step_s=step_s)
+    profile = measure_choice_overheads(module, batch, profile, choices or ChoiceOptions(), step_context)
+    return dataclasses.replace(profile, profile_s=time.perf_counter() - start)
 
 
 def with_sharded_activations(root: nn.Module, specs: Sequence[UnitSpec], units: Sequence[UnitProfile],
@@ -111,8 +92,9 @@ def with_sharded_activations(root: nn.Module, specs: Sequence[UnitSpec], units: 
 
 def measure_choice_overheads(module: nn.Module, batch: object | None, profile: ModelProfile, options: ChoiceOptions,
                              step_context: StepContext = contextlib.nullcontext) -> ModelProfile:
-    """``profile`` with what each choice family the options turn on needs measured on the whole
-    model (``ChoiceFamily.measure``: split times each Linear cut into ``k`` slices)."""
-    for family in REGISTRY.families.values():
-        profile = family.measure(module, batch, profile, options, step_context)
+    """``profile`` with what each choice family and modifier the options turn on needs measured on
+    the model (their ``measure`` hooks: split times each Linear cut into ``k`` slices, ``+ckpt``
+    checks which units' recomputation replays their forward)."""
+    for hook in (*(f.measure for f in REGISTRY.families.values()), *(m.measure for m in REGISTRY.modifiers.values())):
+        profile = hook(module, batch, profile, options, step_context)
     return profile

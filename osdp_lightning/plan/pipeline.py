@@ -22,15 +22,17 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from osdp_lightning.choices import ChoiceOptions
+from osdp_lightning.choices import ChoiceOptions, choice_cost
 from osdp_lightning.cost.budget import MemoryBudget, format_budget, format_bytes
-from osdp_lightning.plan.measure import measure_choice_overheads, profile_lightning_module
+from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.cost.cost import CostContext
+from osdp_lightning.plan.measure import profile_lightning_module
 from osdp_lightning.plan.unitbench import profile_from_shapes
 from osdp_lightning.profiling.fakestep import MIXED_PRECISION_DTYPES, FakeStepError
 from osdp_lightning.profiling.optim_state import configured_optimizer, optimizer_state_bytes_per_param
 from osdp_lightning.profiling.precision import sharded_precision, with_precision
-from osdp_lightning.profiling.profile import ModelProfile
-from osdp_lightning.profiling.units import DEFAULT_MIN_UNIT_PARAMS, select_units
+from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
+from osdp_lightning.profiling.units import DEFAULT_MIN_UNIT_PARAMS, ROOT, select_units
 
 WHOLE_PROFILE_WEIGHT_COPIES = 3
 """Copies of the weights the whole-model profile holds at once (model, saved state, gradients)."""
@@ -44,9 +46,9 @@ class ProfileOptions:
     unit_name_patterns: Sequence[str] | None = None
     min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS
     repeats: int = 3
-    split_factors: tuple[int, ...] = ()
-    """Measure the overhead of splitting Linear units by these (``()``: no split choices)."""
-    check_checkpointing: bool = True
+    choices: ChoiceOptions = dataclasses.field(default_factory=ChoiceOptions)
+    """The choices the plan may take: profiling measures what they need (``split_factors=()``: no
+    split overheads; ``activation_checkpointing="never"``: no checkpointed step)."""
     precision: str = "32-true"
     """Lightning's ``precision`` flag (the fake step of a profile from shapes needs it; sharded units
     are priced as it runs them: :mod:`osdp_lightning.profiling.precision`)."""
@@ -61,21 +63,30 @@ def weight_bytes(module: nn.Module, names: Sequence[str] = ("",)) -> int:
 
 
 def budget_floor_bytes(module: nn.Module, budget: MemoryBudget, device_bytes: int, world_size: int) -> int:
-    """The budget in bytes, or for a share of a baseline's peak (``"60%ddp"``) the share of that
-    baseline's state alone (weights, gradients, optimizer state: no activations), which the budget
-    is at least; known before anything is profiled."""
+    """The budget in bytes, or for a share of a baseline's peak (``"60%ddp"``) the share of what that
+    baseline's choice keeps of the whole model (its family's cost: weights, gradients, optimizer
+    state and what it holds from forward to backward; no activations), which the budget is at
+    least; known before anything is profiled."""
     if not budget.needs_profile:
         return budget.of_device(device_bytes)
-    trainable = [p for p in module.parameters() if p.requires_grad]
+    params = {id(p): p for p in module.parameters()}.values()
+    trainable = [p for p in params if p.requires_grad]
     if not trainable:
         return 0
     optimizer = configured_optimizer(module)
     elem = trainable[0].element_size()
-    optimizer_bytes = optimizer_state_bytes_per_param(optimizer, trainable[0].dtype) if optimizer else 0
-    count = sum(p.numel() for p in trainable)
-    sharded = {"replicate": 0.0, "zero2": elem + optimizer_bytes, "zero3": 2 * elem + optimizer_bytes}[budget.baseline]
-    state = count * (2 * elem + optimizer_bytes - sharded + sharded / world_size)
-    return int(budget.share * state)
+    whole = UnitProfile(name=ROOT, module_names=(ROOT,), param_count=sum(p.numel() for p in trainable),
+                        frozen_param_count=sum(p.numel() for p in params if not p.requires_grad),
+                        forward_s=0.0, backward_s=0.0, activation_bytes=0)
+    profile = ModelProfile(
+        units=(whole,), micro_batch_size=1, param_bytes_per_element=elem, grad_bytes_per_element=elem,
+        compute_bytes_per_element=elem, reduce_bytes_per_element=elem, activation_bytes=0,
+        optimizer_bytes_per_param=optimizer_state_bytes_per_param(optimizer, trainable[0].dtype) if optimizer else 0)
+    # NOTE: only bytes are read; the links' figures are placeholders.
+    cluster = ClusterSpec(world_size=world_size, memory_budget_bytes=0, collective_latency_s=0.0,
+                          bandwidth_bytes_per_s=1.0)
+    cost = choice_cost(whole, budget.baseline, CostContext(profile, cluster))
+    return int(budget.share * (cost.state_bytes + cost.held_bytes))
 
 
 def whole_profile_fits(module: nn.Module, budget_bytes: int) -> bool:
@@ -115,17 +126,13 @@ def profile_model(module: nn.Module, batch: object, device: torch.device, option
         precision = options.precision if options.precision in MIXED_PRECISION_DTYPES else "32-true"
         try:
             return with_precision(profile_from_shapes(
-                module, batch, device, precision=precision, step_context=step_context,
-                split_factors=options.split_factors, check_checkpointing=options.check_checkpointing,
+                module, batch, device, precision=precision, step_context=step_context, choices=options.choices,
                 repeats=options.repeats, **units), sharded)
         except FakeStepError as err:
             raise FakeStepError(_cannot_plan_from_shapes(module, err)) from err
     profile = profile_lightning_module(module, batch, optimizer=optimizer, step_context=step_context,
-                                       repeats=options.repeats, check_checkpointing=options.check_checkpointing,
+                                       repeats=options.repeats, choices=options.choices,
                                        gather_dtype=sharded.gather_dtype, **units)
-    if options.split_factors:
-        profile = measure_choice_overheads(module, batch, profile, ChoiceOptions(split_factors=options.split_factors),
-                                           step_context)
     return with_precision(profile, sharded)
 
 

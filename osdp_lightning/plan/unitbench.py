@@ -36,7 +36,8 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from osdp_lightning.choices import ChoiceOptions
-from osdp_lightning.plan.measure import measure_choice_overheads, with_checkpoint_refusals
+from osdp_lightning.choices.base import measurement_session
+from osdp_lightning.plan.measure import measure_choice_overheads
 from osdp_lightning.profiling.estimate import estimate_profile
 from osdp_lightning.profiling.fakestep import (
     build_fake_module,
@@ -80,8 +81,8 @@ def profile_from_shapes(module: nn.Module, batch: object, device: torch.device, 
                         step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                         unit_module_types: Sequence[str | type] | None = None,
                         unit_name_patterns: Sequence[str] | None = None,
-                        min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS, split_factors: Sequence[int] = (),
-                        check_checkpointing: bool = True, repeats: int = 3) -> ModelProfile:
+                        min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS, choices: ChoiceOptions | None = None,
+                        repeats: int = 3) -> ModelProfile:
     """A :class:`ModelProfile` of ``module`` (on the meta device or not; never copied whole onto
     ``device``) for training on ``batch``; see the module docstring."""
     start = time.perf_counter()
@@ -91,24 +92,24 @@ def profile_from_shapes(module: nn.Module, batch: object, device: torch.device, 
         # NOTE: one second per FLOP: the estimate's times are its FLOP counts, priced below.
         counted = estimate_profile(template, batch, peak_flops_per_s=1.0, compute_efficiency=1.0, precision=precision,
                                    unit_module_types=unit_module_types, unit_name_patterns=unit_name_patterns,
-                                   min_unit_params=min_unit_params, split_factors=split_factors, with_parts=True,
+                                   min_unit_params=min_unit_params, with_parts=True,
                                    optimizer_device=device)
         calls = record_unit_calls(template, batch, list(specs.values()), precision)
     measured: dict[str, UnitProfile] = {}
     kinds: dict[str, UnitProfile | UnitMeasureError] = {}
-    for unit in counted.units:
-        if unit.name not in calls:
-            continue  # the root, tied units (several modules), units never called
-        kind = _kind(template, specs[unit.name], calls[unit.name])
-        if kind not in kinds:
-            try:
-                kinds[kind] = measure_unit(template, specs[unit.name], calls[unit.name], device,
-                                           step_context=step_context, split_factors=split_factors,
-                                           check_checkpointing=check_checkpointing, repeats=repeats)
-            except UnitMeasureError as err:
-                kinds[kind] = err
-        if isinstance(kinds[kind], UnitProfile):
-            measured[unit.name] = kinds[kind]
+    with measurement_session():  # NOTE: kinds of unit share their Linear layers' split timings
+        for unit in counted.units:
+            if unit.name not in calls:
+                continue  # the root, tied units (several modules), units never called
+            kind = _kind(template, specs[unit.name], calls[unit.name])
+            if kind not in kinds:
+                try:
+                    kinds[kind] = measure_unit(template, specs[unit.name], calls[unit.name], device,
+                                               step_context=step_context, choices=choices, repeats=repeats)
+                except UnitMeasureError as err:
+                    kinds[kind] = err
+            if isinstance(kinds[kind], UnitProfile):
+                measured[unit.name] = kinds[kind]
     unmeasured = {name: kinds[_kind(template, specs[name], call)] for name, call in calls.items()
                   if name not in measured and name in specs}
     forward_spf, backward_spf = _seconds_per_flop(counted.units, measured)
@@ -116,8 +117,10 @@ def profile_from_shapes(module: nn.Module, batch: object, device: torch.device, 
         _warn_priced(unmeasured, bool(measured))
     units = tuple(_measured(u, measured[u.name]) if u.name in measured
                   else _priced(u, forward_spf, backward_spf, unmeasured.get(u.name)) for u in counted.units)
+    # NOTE: the seconds are measured now (or priced at the measured seconds per FLOP): no unit's
+    # split overhead is estimated from FLOPs.
     return dataclasses.replace(counted, units=units, step_s=sum(u.forward_s + u.backward_s for u in units),
-                               profile_s=time.perf_counter() - start)
+                               profile_s=time.perf_counter() - start, seconds_per_flop=0.0)
 
 
 def record_unit_calls(template: nn.Module, batch: object, specs: Sequence[UnitSpec], precision: str
@@ -198,10 +201,10 @@ class _UnitBench(nn.Module):
 
 def measure_unit(template: nn.Module, spec: UnitSpec, call: tuple[tuple, dict], device: torch.device, *,
                  step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 split_factors: Sequence[int] = (), check_checkpointing: bool = True, repeats: int = 3
-                 ) -> UnitProfile:
-    """One copy of ``spec``'s module, materialized alone on ``device`` and profiled for real; the
-    result is named as in the bench (:data:`BENCH_NAME`)."""
+                 choices: ChoiceOptions | None = None, repeats: int = 3) -> UnitProfile:
+    """One copy of ``spec``'s module, materialized alone on ``device`` and profiled for real, with
+    what ``choices`` need measured on it (:func:`measure_choice_overheads`); the result is named as
+    in the bench (:data:`BENCH_NAME`)."""
     prefix = spec.module_names[0]
     with preserved_rng():
         torch.manual_seed(0)
@@ -219,14 +222,10 @@ def measure_unit(template: nn.Module, spec: UnitSpec, call: tuple[tuple, dict], 
     try:
         # NOTE: bytes come from the fake step; only seconds are measured here.
         units, _, _ = measure_units(bench, [renamed], run_loss, device, repeats, activation_peak=False)
-        if check_checkpointing:
-            units = with_checkpoint_refusals(bench, units, run_loss)
-        if split_factors:
-            profile = ModelProfile(units=tuple(units), micro_batch_size=1, param_bytes_per_element=4,
-                                   grad_bytes_per_element=4, compute_bytes_per_element=4, reduce_bytes_per_element=4,
-                                   optimizer_bytes_per_param=0, activation_bytes=0)
-            options = ChoiceOptions(split_factors=tuple(split_factors))
-            units = list(measure_choice_overheads(bench, None, profile, options, step_context).units)
+        profile = ModelProfile(units=tuple(units), micro_batch_size=1, param_bytes_per_element=4,
+                               grad_bytes_per_element=4, compute_bytes_per_element=4, reduce_bytes_per_element=4,
+                               optimizer_bytes_per_param=0, activation_bytes=0)
+        units = list(measure_choice_overheads(bench, None, profile, choices or ChoiceOptions(), step_context).units)
     except Exception as err:
         raise UnitMeasureError(
             f"osdp cannot measure unit {spec.name!r} ({type(unit).__name__}) apart from the model, which planning a "

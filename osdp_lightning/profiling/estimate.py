@@ -47,7 +47,6 @@ from osdp_lightning.profiling.profile import (
     UnitProfile,
     assemble_unit,
     batch_size_of,
-    linear_shape_of,
     tensor_bytes,
     with_measured_parts,
 )
@@ -58,11 +57,6 @@ DEFAULT_COMPUTE_EFFICIENCY = 0.4
 """Share of the device's peak FLOP/s a training step achieves on the FLOPs FlopCounterMode
 counts (matmuls and attention). 0.4 is a typical model-FLOPs utilisation of transformer training
 with FSDP on A100/H100; it also absorbs the uncounted memory-bound ops (norms, softmax, GELU)."""
-PEAK_FLOPS_PER_MEMORY_BYTE = 150.0
-"""Peak FLOP/s over memory bytes/s (A100: 312 TFLOP/s / 2 TB/s); prices the memory-bound sum of
-a split Linear's ``k`` partial outputs (the only cost of splitting the FLOP count does not see)."""
-KERNEL_LAUNCH_S = 1e-5
-"""Fixed seconds of one extra kernel (a split Linear runs ``k`` matmuls per pass instead of one)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,7 +68,7 @@ def estimate_profile(model: ModelSource, batch: object, *, peak_flops_per_s: flo
                      unit_module_types: Sequence[str | type] | None = None,
                      unit_name_patterns: Sequence[str] | None = None,
                      min_unit_params: int = DEFAULT_MIN_UNIT_PARAMS,
-                     split_factors: Sequence[int] = (2, 4, 8), with_parts: bool = False,
+                     with_parts: bool = False,
                      optimizer_device: torch.device | None = None, optimizer_foreach: bool | None = None,
                      reduce_dtype: str = "float32") -> ModelProfile:
     """A :class:`ModelProfile` of ``model`` on ``batch`` without running it for real.
@@ -124,8 +118,7 @@ def estimate_profile(model: ModelSource, batch: object, *, peak_flops_per_s: flo
     copies = min(sum(step.cast_bytes.values()), single - per_batch_bytes)
     seconds_per_flop = 1.0 / (peak_flops_per_s * compute_efficiency)
     elem = trainable[0].element_size()
-    units = _unit_profiles(module, specs, step, seconds_per_flop, elem, tuple(split_factors), rises, with_parts,
-                           gathered)
+    units = _unit_profiles(module, specs, step, seconds_per_flop, elem, rises, with_parts, gathered)
     optimizer = configured_optimizer(module)
     if optimizer_bytes_per_param is None:  # NOTE: without an optimizer, Adam's two states
         optimizer_bytes_per_param = (optimizer_state_bytes_per_param(optimizer, trainable[0].dtype)
@@ -138,11 +131,12 @@ def estimate_profile(model: ModelSource, batch: object, *, peak_flops_per_s: flo
         optimizer_bytes_per_param=optimizer_bytes_per_param, activation_bytes=per_batch_bytes + copies,
         fixed_bytes=tensor_bytes(batch) + single - per_batch_bytes - copies,
         step_s=(sum(step.forward_flops.values()) + sum(step.backward_flops.values())) * seconds_per_flop,
-        profile_s=time.perf_counter() - start, optimizer_step_bytes=step_bytes), sharded)
+        profile_s=time.perf_counter() - start, optimizer_step_bytes=step_bytes, seconds_per_flop=seconds_per_flop),
+        sharded)
 
 
 def _unit_profiles(module: nn.Module, specs: Sequence[UnitSpec], step: FakeStep, seconds_per_flop: float,
-                   elem: int, split_factors: tuple[int, ...], rises: dict[str, int], with_parts: bool,
+                   elem: int, rises: dict[str, int], with_parts: bool,
                    gathered: dict[str, int] | None = None) -> tuple[UnitProfile, ...]:
     """Units in execution order (never-called units go to the root, as in the measured profile);
     ``with_parts``: each block with its parts, as the measured profile has them; ``gathered``: the
@@ -153,21 +147,16 @@ def _unit_profiles(module: nn.Module, specs: Sequence[UnitSpec], step: FakeStep,
     owned = owned_params(module, [*called, *(p for s in called for p in parts[s.name])])
 
     def unit(spec: UnitSpec) -> UnitProfile:
-        shape = linear_shape_of(module, spec.name, spec.module_names)
         flops = (step.forward_flops.get(spec.name, 0), step.backward_flops.get(spec.name, 0))
         if spec.name == ROOT:  # FLOPs and bytes of units that never ran belong to the root
             flops = (flops[0] + sum(f for n, f in step.forward_flops.items() if n not in owned),
                      flops[1] + sum(f for n, f in step.backward_flops.items() if n not in owned))
         saved, cast = (_own_bytes(by_unit, spec.name, owned) for by_unit in (step.saved_bytes, step.cast_bytes))
-        overheads = ()
-        if shape is not None:
-            out_bytes = step.output_numel.get(spec.name, 0) * elem
-            overheads = tuple((k, _split_overhead_s(k, out_bytes, seconds_per_flop))
-                              for k in split_factors if shape[1] % k == 0)
         return assemble_unit(
             module, spec.name, spec.module_names, owned[spec.name],
             forward_s=flops[0] * seconds_per_flop, backward_s=flops[1] * seconds_per_flop,
-            activation_bytes=saved, input_bytes=step.input_bytes.get(spec.name, 0), split_overhead_s=overheads,
+            activation_bytes=saved, input_bytes=step.input_bytes.get(spec.name, 0),
+            output_bytes=step.output_numel.get(spec.name, 0) * elem,
             interleaved=spec.name in step.interleaved,
             backward_rise_bytes=rises.get(spec.name),
             tail_activation_bytes=step.root_tail_bytes if spec.name == ROOT else 0, cast_param_bytes=cast,
@@ -180,10 +169,3 @@ def _own_bytes(by_unit: dict[str, int], name: str, owned: Mapping[str, object]) 
     """A unit's bytes of ``by_unit``; the root's with those of units that never ran."""
     own = by_unit.get(name, 0)
     return own + sum(b for n, b in by_unit.items() if n not in owned) if name == ROOT else own
-
-
-def _split_overhead_s(k: int, output_bytes: int, seconds_per_flop: float) -> float:
-    """Extra seconds of a Linear cut into ``k`` slices: ``k - 1`` more kernels in each of the three
-    passes, and summing ``k`` partial outputs (memory-bound: two reads and a write per element)."""
-    seconds_per_byte = seconds_per_flop * PEAK_FLOPS_PER_MEMORY_BYTE
-    return (k - 1) * (3 * KERNEL_LAUNCH_S + 3 * output_bytes * seconds_per_byte)

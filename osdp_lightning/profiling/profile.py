@@ -41,6 +41,8 @@ class UnitProfile:
     """``(out_features, in_features)`` when the unit is one ``nn.Linear`` (a split candidate)."""
     split_overhead_s: tuple[tuple[int, float], ...] = ()
     """Measured extra forward+backward seconds of splitting into ``k`` slices, as ``(k, s)``."""
+    output_bytes: int = 0
+    """Bytes of its tensor output (recorded by the fake step; 0: not recorded)."""
     parts: tuple[UnitProfile, ...] = ()
     """Finer units inside this one (a block's large leaf modules), in execution order, measured in
     the same run; this unit's figures include theirs. :func:`with_parts` plans with them instead."""
@@ -118,6 +120,9 @@ class ModelProfile:
     whole: the price of every plan (an upper bound where units are sharded); 0: not known."""
     profile_s: float = 0.0
     """Wall seconds the profiling took."""
+    seconds_per_flop: float = 0.0
+    """What one FLOP of the fake step's count costs where the units' seconds are priced from counted
+    FLOPs (dry runs); 0: the seconds were measured."""
     param_dtype: str = ""
     """The dtype sharded units gather their parameters in (FSDP2's ``MixedPrecisionPolicy``, e.g.
     ``"bfloat16"`` under ``bf16-mixed``: :mod:`osdp_lightning.profiling.precision`); ``""``: as stored."""
@@ -421,7 +426,7 @@ def linear_shape_of(root: nn.Module, name: str, module_names: tuple[str, ...]) -
 
 def assemble_unit(root: nn.Module, name: str, module_names: tuple[str, ...], params: list[nn.Parameter], *,
                   forward_s: float, backward_s: float, activation_bytes: int, input_bytes: int,
-                  split_overhead_s: tuple[tuple[int, float], ...] = (), interleaved: bool = False,
+                  output_bytes: int = 0, interleaved: bool = False,
                   backward_rise_bytes: int | None = None, leaf_backward_rise_bytes: int | None = None,
                   tail_activation_bytes: int = 0, cast_param_bytes: int = 0,
                   sharded_activation_bytes: int | None = None) -> UnitProfile:
@@ -432,7 +437,7 @@ def assemble_unit(root: nn.Module, name: str, module_names: tuple[str, ...], par
         param_count=sum(p.numel() for p in params if p.requires_grad),
         frozen_param_count=sum(p.numel() for p in params if not p.requires_grad),
         forward_s=forward_s, backward_s=backward_s, activation_bytes=activation_bytes, input_bytes=input_bytes,
-        linear_shape=linear_shape_of(root, name, module_names), split_overhead_s=split_overhead_s,
+        linear_shape=linear_shape_of(root, name, module_names), output_bytes=output_bytes,
         tensor_count=sum(1 for p in params if p.requires_grad),
         largest_tensor_count=max((p.numel() for p in params if p.requires_grad), default=0),
         interleaved=interleaved, backward_rise_bytes=backward_rise_bytes,

@@ -79,7 +79,7 @@ def hand_made_plan() -> Plan:
     """meta_train's HAND_MADE (every kind of choice) for the bare GPT: the same units without ``net.``."""
     choices = {name.replace("net.", ""): choice for name, choice in HAND_MADE.items()}
     profile = estimate_profile(lambda: GPT(CONFIG), torch.zeros(4, CONFIG.block_size, dtype=torch.long),
-                               peak_flops_per_s=1e12, split_factors=(2,), with_parts=True)
+                               peak_flops_per_s=1e12, with_parts=True)
     profile = with_parts(profile, ["h.2"])
     cluster = ClusterSpec(world_size=2, memory_budget_bytes=2**40, collective_latency_s=1e-4, bandwidth_bytes_per_s=1e9)
     return fixed_plan(profile, cluster, [choices[u.name] for u in profile.units], source="hand-made")

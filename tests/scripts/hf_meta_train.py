@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import osdp_lightning  # noqa: F401  (registers "osdp")
 from osdp_lightning import OSDPStrategy
+from osdp_lightning.choices import ChoiceOptions
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.plan.measure import profile_lightning_module
 from osdp_lightning.plan.plan import Plan, fixed_plan
@@ -59,7 +60,7 @@ def loader() -> DataLoader:
 def mixed_plan() -> Plan:
     """:data:`CHOICES` in turn, priced on the profile of an eager copy (tiny: profiling it is quick)."""
     batch = next(iter(loader()))
-    profile = profile_lightning_module(TinyLlama(), batch, repeats=1, check_checkpointing=False)
+    profile = profile_lightning_module(TinyLlama(), batch, repeats=1, choices=ChoiceOptions(activation_checkpointing="never"))
     cluster = ClusterSpec(world_size=2, memory_budget_bytes=2**40, collective_latency_s=1e-4, bandwidth_bytes_per_s=1e9)
     assignment = [CHOICES[i % len(CHOICES)] for i in range(len(profile.units) - 1)] + ["replicate"]
     return fixed_plan(profile, cluster, assignment, source="hand-made")

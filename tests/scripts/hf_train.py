@@ -93,7 +93,7 @@ def hand_made_plan(family: str, choices: str, world_size: int) -> Plan:
     """``name=choice;...`` (other units zero3) priced on the dry-run profile of the same model."""
     wanted = dict(item.split("=", 1) for item in choices.split(";") if item)
     batch = torch.zeros(BATCH, SEQ, dtype=torch.long)
-    profile = estimate_profile(lambda: HFModule(family), (batch,), peak_flops_per_s=1e12, split_factors=(2,),
+    profile = estimate_profile(lambda: HFModule(family), (batch,), peak_flops_per_s=1e12,
                                with_parts=True)
     # a block whose parts are named is planned by its parts
     profile = with_parts(profile, [u.name for u in profile.units if any(p.name in wanted for p in u.parts)])

@@ -92,7 +92,7 @@ def hand_made_plan() -> Plan:
     """:data:`HAND_MADE` priced on the dry-run profile of the same GPT (shapes only, nothing built)."""
     profile = estimate_profile(lambda: build("gpt"), {"input_ids": torch.zeros(4, CONFIG.block_size, dtype=torch.long),
                                                       "labels": torch.zeros(4, CONFIG.block_size, dtype=torch.long)},
-                               peak_flops_per_s=1e12, split_factors=(2,), with_parts=True)
+                               peak_flops_per_s=1e12, with_parts=True)
     profile = with_parts(profile, ["net.h.2"])
     cluster = ClusterSpec(world_size=2, memory_budget_bytes=2**40, collective_latency_s=1e-4, bandwidth_bytes_per_s=1e9)
     return fixed_plan(profile, cluster, [HAND_MADE[u.name] for u in profile.units], source="hand-made")

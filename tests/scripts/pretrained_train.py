@@ -64,7 +64,7 @@ class CausalLM(L.LightningModule):
 
 def hand_made_plan() -> Plan:
     batch = {"input_ids": torch.zeros(2, SEQ, dtype=torch.long)}
-    profile = estimate_profile(CausalLM, batch, peak_flops_per_s=1e12, split_factors=(2,), with_parts=True)
+    profile = estimate_profile(CausalLM, batch, peak_flops_per_s=1e12, with_parts=True)
     profile = with_parts(profile, [LAYER])
     cluster = ClusterSpec(world_size=2, memory_budget_bytes=2**40, collective_latency_s=1e-4, bandwidth_bytes_per_s=1e9)
     return fixed_plan(profile, cluster, [HAND_MADE[u.name] for u in profile.units], source="hand-made")
