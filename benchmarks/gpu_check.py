@@ -43,7 +43,8 @@ from osdp_lightning.apply.apply import apply_plan, step_groups_apart
 from osdp_lightning.integration.strategy import RootWrapper
 from osdp_lightning.plan.pipeline import ProfileOptions, profile_model
 from osdp_lightning.plan.plan import InfeasibleBudgetError, Plan
-from osdp_lightning.profiling.profile import ModelProfile, logging_disabled
+from osdp_lightning.profiling.profile import logging_disabled
+from osdp_lightning.profiling.records import ModelProfile
 from osdp_lightning.runtime.meshes import build_meshes
 
 UNIFORM = ("replicate", "zero2", "zero3", "zero3+ckpt")

@@ -39,7 +39,8 @@ from osdp_lightning.choices import ChoiceOptions
 from osdp_lightning.integration.strategy import RootWrapper
 from osdp_lightning.plan.pipeline import ProfileOptions, profile_model
 from osdp_lightning.plan.plan import InfeasibleBudgetError, Plan
-from osdp_lightning.profiling.profile import ModelProfile, logging_disabled
+from osdp_lightning.profiling.profile import logging_disabled
+from osdp_lightning.profiling.records import ModelProfile
 from osdp_lightning.runtime.meshes import build_meshes
 
 HAND_POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -20,7 +20,7 @@ from benchmarks.hf_worker import HFBenchModule, Shape, token_sequences
 from osdp_lightning.choices import ChoiceOptions
 from osdp_lightning.plan.pipeline import ProfileOptions, profile_model
 from osdp_lightning.profiling.optim_state import configured_optimizer
-from osdp_lightning.profiling.profile import ModelProfile
+from osdp_lightning.profiling.records import ModelProfile
 
 WAYS = ("whole", "shapes")
 _BLOCK = re.compile(r"\.\d+$")

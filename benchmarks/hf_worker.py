@@ -13,7 +13,9 @@ Llama, GPT-2 and GPT-NeoX causal LMs, BERT masked LM, T5 encoder-decoder, ``--la
 with osdp (eagerly or on the meta device) or Lightning's ``strategy="ddp"``. Rank 0 writes JSON:
 the loss of every step, the training summary (measured peak, median step), the plan's
 predictions and choices, setup seconds, per-unit profiled seconds, or the smallest budget osdp
-names when nothing fits.
+names when nothing fits. An osdp record keeps the whole plan, the profile and the tracked step's
+bytes per module (``TrainingSummary(module_memory=True)``): ``python -m benchmarks.memory_moments``
+sets them beside the memory model's moments.
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ def run(args: argparse.Namespace) -> tuple[L.Trainer, dict[str, Any]]:
     L.seed_everything(args.seed, workers=True)
     budget = int(args.budget) if args.budget and args.budget.isdigit() else args.budget
     strategy = OSDPStrategy(memory_budget=budget) if args.method == "osdp" else "ddp"
-    summary, phases = TrainingSummary(), PhaseTimer()
+    summary, phases = TrainingSummary(module_memory=args.method == "osdp"), PhaseTimer()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=args.steps, precision="32-true",
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
@@ -171,13 +173,11 @@ def run(args: argparse.Namespace) -> tuple[L.Trainer, dict[str, Any]]:
 def osdp_record(strategy: OSDPStrategy) -> dict[str, Any]:
     """What osdp planned and predicted, and how it profiled."""
     plan = strategy.plan
-    keys = ("memory_budget_bytes", "predicted_peak_bytes", "predicted_step_s", "predicted_compute_s",
-            "predicted_optimizer_s", "predicted_overhead_s", "predicted_exposed_comm_s", "predicted_loop_s",
-            "headroom_bytes", "step_terms_source", "profile_s", "solve_s", "micro_batch_size")
     units = strategy.profile.units if strategy.profile is not None else ()
     return {"setup_s": strategy.setup_s, "profiled_whole": bool(strategy._profile_whole),
             "choices": plan.choice_counts(), "unit_choices": {u.name or "<root>": u.choice for u in plan.units},
-            "plan": {k: getattr(plan, k) for k in keys},
+            "plan": plan.to_dict(),
+            "profile": dataclasses.asdict(strategy.profile) if strategy.profile is not None else None,
             "baselines": {b.choice: {"step_s": b.step_s, "peak_bytes": b.peak_bytes, "fits": b.fits}
                           for b in plan.baselines},
             "units": [{"name": u.name or "<root>", "param_count": u.param_count, "forward_s": u.forward_s,

@@ -2,8 +2,9 @@
 
     python -m benchmarks.memory_moments docs/benchmarks/hand_fsdp2_default/compare_runs.json.gz
     python -m benchmarks.memory_moments run.json --method osdp     (a compare_worker output)
+    python -m benchmarks.memory_moments docs/benchmarks/hf_models/hf_models_runs.json.gz   (hf_models' runs)
 
-For every osdp run of an ``osdp-bench`` runs file (or one ``compare_worker`` record) that kept its
+For every osdp run of an ``osdp-bench`` or ``hf_models`` runs file (or one worker record) that kept its
 per-module memory (``TrainingSummary(module_memory=True)``, which the benchmark's worker sets),
 each unit of its plan gets the bytes per rank the model the ILP uses predicts at the unit's
 forward and at its backward moment (``solve.moment_bytes``, priced on the run's own profile and
@@ -29,7 +30,10 @@ MIB = 2**20
 def runs_of(path: Path, method: str | None = None) -> list[dict[str, Any]]:
     """The runs of a runs file, or the one record of a worker output, that kept module memory."""
     data = read_runs(path)
-    runs = data["runs"] if isinstance(data, dict) and "runs" in data else data if isinstance(data, list) else [data]
+    if isinstance(data, dict):  # NOTE: osdp-bench keeps its runs under "runs", hf_models under "train"
+        runs = data.get("runs") or data.get("train") or [data]
+    else:
+        runs = data
     return [r for r in runs if r.get("status") == "ok" and r.get("plan") and r.get("profile")
             and r.get("summary", {}).get("module_memory") and (method is None or r["method"] == method)]
 
@@ -69,9 +73,10 @@ def _cell(predicted: int, measured: int | None) -> str:
 def table_of(run: dict[str, Any]) -> str:
     rows = unit_rows(run)
     summary, plan = run["summary"], run["plan"]
-    budget = f" at {run['budget_bytes'] / MIB:.2f} MiB" if run.get("budget_bytes") else ""
+    budget = f" at {plan['memory_budget_bytes'] / MIB:.2f} MiB" if plan.get("memory_budget_bytes") else ""
+    name = " ".join(str(run[k]) for k in ("family", "run", "round") if k in run) or run["method"]
     rank = summary.get("module_memory_rank", 0)
-    lines = [f"{run['method']}{budget}: measured peak {summary['peak_bytes'] / MIB:.2f} MiB, predicted "
+    lines = [f"{name}{budget}: measured peak {summary['peak_bytes'] / MIB:.2f} MiB, predicted "
              f"{plan['predicted_peak_bytes'] / MIB:.2f}; modules of rank {rank}", "",
              "| unit | choice | forward: predicted / measured peak | backward: predicted / measured peak | "
              "measured at backward start | measured after recompute |", "|---|---|---|---|---|---|"]

@@ -32,7 +32,7 @@ from osdp_lightning.plan.dryrun import (
     recipe_model_and_batch,
 )
 from osdp_lightning.plan.plan import InfeasibleBudgetError, Plan
-from osdp_lightning.profiling.profile import ModelProfile
+from osdp_lightning.profiling.records import ModelProfile
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "paper_settings.md"
 STRATEGIES = {"osdp": None, "zero3": str(resolve("zero3")), "ddp": str(resolve("ddp"))}

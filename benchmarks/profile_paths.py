@@ -23,7 +23,7 @@ from osdp_lightning.choices import ChoiceOptions
 from osdp_lightning.cost.budget import format_bytes
 from osdp_lightning.plan.pipeline import ProfileOptions, profile_model
 from osdp_lightning.profiling.optim_state import configured_optimizer
-from osdp_lightning.profiling.profile import ModelProfile
+from osdp_lightning.profiling.records import ModelProfile
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -24,7 +24,7 @@ from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.cost.cost import ChoiceTable
 from osdp_lightning.plan.choice_table import build_choice_table
 from osdp_lightning.plan.plan import InfeasibleBudgetError, Plan, assemble_plan, make_plan
-from osdp_lightning.profiling.profile import ModelProfile, with_units
+from osdp_lightning.profiling.records import ModelProfile, with_units
 from osdp_lightning.solve import next_best_solutions, peak_bytes
 
 UNIFORM = ("replicate", "zero2", "zero3")

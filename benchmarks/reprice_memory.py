@@ -23,7 +23,7 @@ from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.cost.cost import ChoiceTable
 from osdp_lightning.plan.choice_table import build_choice_table
 from osdp_lightning.plan.plan import choices_text
-from osdp_lightning.profiling.profile import ModelProfile, UnitProfile, with_units
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile, with_units
 from osdp_lightning.solve import peak_bytes
 
 

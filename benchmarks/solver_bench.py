@@ -41,7 +41,7 @@ from typing import Any
 from osdp_lightning.choices import BASE_CHOICES, Choice, split_choice
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.plan.choice_table import build_choice_table
-from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile
 from osdp_lightning.solve import (
     SETTLE_AFTER_S,
     SETTLE_GAP,

@@ -16,7 +16,7 @@ from benchmarks import compare, compare_report, peak_spread, setup_overhead
 from benchmarks.compare_worker import _SMALLEST_RE
 from osdp_lightning import InfeasibleBudgetError, make_plan
 from osdp_lightning.cost.cluster import ClusterSpec
-from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20

@@ -226,7 +226,7 @@ def test_terms_measured_on_a_busy_cpu_are_not_cached() -> None:
 def test_step_terms_enter_the_predicted_step() -> None:
     from osdp_lightning.cost.cluster import ClusterSpec
     from osdp_lightning.plan.plan import make_plan
-    from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
+    from osdp_lightning.profiling.records import ModelProfile, UnitProfile
 
     width, world = 256, 2
     sizes = [width * width + width] * 3 + [2 * width]  # three Linear units, a root holding a norm

@@ -23,7 +23,7 @@ from osdp_lightning.cost.cost import CostContext  # noqa: E402
 from osdp_lightning.plan.choice_table import build_choice_table  # noqa: E402
 from osdp_lightning.plan.measure import profile_lightning_module  # noqa: E402
 from osdp_lightning.plan.plan import InfeasibleBudgetError, make_plan  # noqa: E402
-from osdp_lightning.profiling.profile import ModelProfile, UnitProfile  # noqa: E402
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile  # noqa: E402
 
 P = 10_000
 UNIT = UnitProfile("block", ("block",), P, 0, forward_s=0.01, backward_s=0.02, activation_bytes=50_000,

@@ -35,15 +35,17 @@ from osdp_lightning.plan.choice_table import build_choice_table  # noqa: E402
 from osdp_lightning.plan.measure import profile_lightning_module  # noqa: E402
 from osdp_lightning.plan.plan import InfeasibleBudgetError, choices_text  # noqa: E402
 from osdp_lightning.profiling import optim_state  # noqa: E402
-from osdp_lightning.profiling.fakestep import peak_new_bytes  # noqa: E402
-from osdp_lightning.profiling.optim_state import optimizer_state_bytes_per_param, optimizer_step_bytes  # noqa: E402
-from osdp_lightning.profiling.profile import (  # noqa: E402
-    ModelProfile,
-    UnitProfile,
-    _measure_step,
-    _rescaled_to_free_steps,
-    loss_runner,
+from osdp_lightning.profiling.fakestep import (  # noqa: E402
+    build_fake_module,
+    fake_batch,
+    fake_mode,
+    peak_new_bytes,
+    step_runner,
 )
+from osdp_lightning.profiling.forward_rise import forward_rises  # noqa: E402
+from osdp_lightning.profiling.optim_state import optimizer_state_bytes_per_param, optimizer_step_bytes  # noqa: E402
+from osdp_lightning.profiling.profile import _measure_step, _rescaled_to_free_steps, loss_runner  # noqa: E402
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile  # noqa: E402
 from osdp_lightning.profiling.units import select_units  # noqa: E402
 
 CLUSTER = ClusterSpec(world_size=2, memory_budget_bytes=2**40, collective_latency_s=1e-4,
@@ -123,6 +125,24 @@ def test_cost_formulas_by_hand() -> None:
     assert rep.compute_s == z3.compute_s == pytest.approx(0.03)
 
 
+def test_a_checkpointed_forward_climbs_above_its_input_at_the_end_of_its_forward() -> None:
+    """A unit saves 100 bytes for backward; saving nothing, its forward holds at most 60 of its own
+    at once, its 8-byte input included. Not checkpointed it keeps more than that: its end of
+    forward is its gathered parameters as before. Checkpointed it keeps its input and climbs 52
+    above it while its parameters are gathered (twice that at twice the micro-batch); not
+    measured, nothing is added."""
+    profile, p = _profile(), 1000
+    unit = dataclasses.replace(profile.units[0], input_bytes=8, forward_rise_bytes=52)
+    ctx = CostContext(profile, CLUSTER)
+    assert choice_cost(unit, "zero2", ctx).forward_end_bytes == 4 * p  # the all-gather's output
+    assert choice_cost(unit, "zero3", ctx).forward_end_bytes == 8 * p  # and the unsharded parameters
+    assert choice_cost(unit, "zero2+ckpt", ctx).forward_end_bytes == 4 * p + 52
+    assert choice_cost(unit, "zero3+ckpt", CostContext(profile, CLUSTER, 2.0)).forward_end_bytes == 8 * p + 104
+    assert choice_cost(unit, "replicate+ckpt", ctx).forward_end_bytes == 52
+    unmeasured = dataclasses.replace(unit, forward_rise_bytes=None)
+    assert choice_cost(unmeasured, "zero2+ckpt", ctx).forward_end_bytes == 4 * p
+
+
 def test_one_rank_offers_only_replicate() -> None:
     table = build_choice_table(_profile(), ClusterSpec(1, 2**30, 0.0, 1e9))
     assert all([c.choice for c in u.choices] == ["replicate"] for u in table.units)
@@ -183,10 +203,13 @@ class _Blocks(MLP):
         self.net = nn.Sequential(_Block(), _Block(), nn.Linear(64, 1))
 
 
-def test_the_profile_measures_a_layers_backward_beside_its_weight_gradient() -> None:
+def test_the_profile_measures_a_layers_backward_and_a_forward_that_saves_nothing() -> None:
     """The most one layer with parameters adds in its backward: ``down``'s weight gradient (128 KiB)
     beside the gradient of its 32 x 512 input (64 KiB), not what the dropout after it spans in the
-    tracker (it owns no parameters and passes its input through: 250 KiB here)."""
+    tracker (it owns no parameters and passes its input through: 250 KiB here). With nothing saved
+    for backward (a checkpointed forward) the block still holds ``up``'s 32 x 512 output beside
+    the ReLU's: its forward rise. Saving, it keeps less than that (the ReLU keeps its output, not
+    its input): a forward climbs above what it keeps, checkpointed or not."""
     torch.manual_seed(0)
     model = _Blocks()
     profile = profile_lightning_module(model, (torch.randn(32, 64), torch.randn(32, 1)),
@@ -196,6 +219,25 @@ def test_the_profile_measures_a_layers_backward_beside_its_weight_gradient() -> 
     weight, inputs = 512 * 64 * 4, 32 * 512 * 4
     assert weight + inputs <= block.leaf_backward_rise_bytes <= 1.05 * (weight + inputs)
     assert block.backward_rise_bytes > block.leaf_backward_rise_bytes
+    rows = 32 * 64 * 4  # the block's input, output and residual sum
+    assert 2 * inputs <= block.forward_rise_bytes <= 2 * inputs + 2 * rows
+    assert block.activation_bytes == inputs + rows < block.forward_rise_bytes
+    assert profile.units[-1].forward_rise_bytes is None  # the root's forward is the whole step
+
+def test_a_forward_rise_is_the_same_on_fake_tensors() -> None:
+    """The forward rise counts storages as a dispatch mode sees them made and freed: on fake tensors
+    (the fake step of a dry run or of a profile from shapes) it is what the real forward gives."""
+    torch.manual_seed(0)
+    model = _Blocks()
+    batch = (torch.randn(32, 64), torch.randn(32, 1))
+    specs = select_units(model, [_Block])
+    real = forward_rises(model, specs, loss_runner(model, batch, contextlib.nullcontext))
+    mode = fake_mode()
+    fake = build_fake_module(model, mode)
+    with mode:
+        faked = forward_rises(fake, specs, step_runner(fake, fake_batch(batch, mode)))
+    assert faked == real and set(real) == {"net.0", "net.1"} and real["net.0"] >= 2 * 32 * 512 * 4
+
 
 def test_unit_times_are_scaled_to_the_step_timed_without_a_clock_per_unit() -> None:
     """On CUDA the profile's clock synchronizes at every unit boundary, which the step in training

@@ -13,7 +13,8 @@ from osdp_lightning.choices import choice_cost
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.cost.cost import CostContext
 from osdp_lightning.plan.plan import InfeasibleBudgetError, make_plan
-from osdp_lightning.profiling.profile import ModelProfile, UnitProfile, _profiling
+from osdp_lightning.profiling.profile import _profiling
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile
 from osdp_lightning.runtime.accumulate import check_accumulation
 from osdp_lightning.runtime.clip import clip_grad_norm_, total_grad_norm, with_sharded_clipping
 

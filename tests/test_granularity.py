@@ -21,7 +21,7 @@ from osdp_lightning.cost.cluster import ClusterSpec  # noqa: E402
 from osdp_lightning.plan.choice_table import build_choice_table  # noqa: E402
 from osdp_lightning.plan.measure import profile_lightning_module  # noqa: E402
 from osdp_lightning.plan.plan import fixed_plan, make_plan, root_folds, unit_sets  # noqa: E402
-from osdp_lightning.profiling.profile import with_parts, with_units  # noqa: E402
+from osdp_lightning.profiling.records import with_parts, with_units  # noqa: E402
 from osdp_lightning.profiling.units import ROOT, find_blocks, select_units, unit_param_counts  # noqa: E402
 from osdp_lightning.solve import smallest_feasible_budget  # noqa: E402
 

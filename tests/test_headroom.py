@@ -18,7 +18,7 @@ from conftest import proven_within_settle_gap
 
 from osdp_lightning import InfeasibleBudgetError, OSDPStrategy, make_plan
 from osdp_lightning.cost.cluster import ClusterSpec
-from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from toy_models import MLP  # noqa: E402

@@ -14,7 +14,7 @@ from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.cost.cost import CostContext, all_gather_s, all_reduce_s
 from osdp_lightning.plan.choice_table import build_choice_table
 from osdp_lightning.plan.plan import make_plan
-from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile
 from osdp_lightning.runtime.meshes import Meshes
 
 P = 1_000_000

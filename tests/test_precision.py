@@ -27,7 +27,7 @@ from osdp_lightning.plan.measure import profile_lightning_module  # noqa: E402
 from osdp_lightning.plan.plan import make_plan  # noqa: E402
 from osdp_lightning.profiling.estimate import estimate_profile  # noqa: E402
 from osdp_lightning.profiling.precision import check_plan_precision, sharded_precision, with_precision  # noqa: E402
-from osdp_lightning.profiling.profile import ModelProfile  # noqa: E402
+from osdp_lightning.profiling.records import ModelProfile  # noqa: E402
 
 CLUSTER = ClusterSpec(world_size=2, memory_budget_bytes=2**40, collective_latency_s=1e-4, bandwidth_bytes_per_s=1e9)
 BF16 = sharded_precision("bf16-mixed")

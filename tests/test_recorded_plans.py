@@ -26,7 +26,7 @@ from osdp_lightning.choices import BASE_CHOICES, ChoiceOptions, choice_space  # 
 from osdp_lightning.cost.cluster import ClusterSpec, cluster_spec_from_config  # noqa: E402
 from osdp_lightning.plan.choice_table import build_choice_table  # noqa: E402
 from osdp_lightning.plan.plan import InfeasibleBudgetError, Plan, baseline_peak_bytes, make_plan  # noqa: E402
-from osdp_lightning.profiling.profile import ModelProfile  # noqa: E402
+from osdp_lightning.profiling.records import ModelProfile  # noqa: E402
 from osdp_lightning.solve import (  # noqa: E402
     Solution,
     knapsack_dp,

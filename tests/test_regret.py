@@ -23,7 +23,7 @@ from benchmarks.regret_candidates import (
 )
 from osdp_lightning.calibrate import CACHE_ENV
 from osdp_lightning.cost.cluster import ClusterSpec
-from osdp_lightning.profiling.profile import ModelProfile, UnitProfile, with_parts
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile, with_parts
 from osdp_lightning.solve import peak_bytes, step_seconds
 
 MIB = 2**20

@@ -12,7 +12,7 @@ from torch import nn
 from osdp_lightning.choices import choice_cost, split_choice
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.cost.cost import CostContext
-from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile
 from osdp_lightning.runtime.split import (
     SplitLinear,
     measure_split_overhead_s,

@@ -32,7 +32,7 @@ from osdp_lightning.cost.step_terms import (
     StepTerms,
 )
 from osdp_lightning.plan.choice_table import build_choice_table
-from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile
 from osdp_lightning.profiling.units import ROOT
 from osdp_lightning.solve import step_seconds
 

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from osdp_lightning.cost.cluster import ClusterSpec
     from osdp_lightning.cost.cost import ChoiceCost, CostContext
-    from osdp_lightning.profiling.profile import UnitProfile
+    from osdp_lightning.profiling.records import UnitProfile
     from osdp_lightning.runtime.meshes import Meshes
 
 # Registration order is the order of the choice space (the solver keeps the first of equal choices).

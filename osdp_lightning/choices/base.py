@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # NOTE: annotations only: apply.py imports this package
 
     from osdp_lightning.cost.cluster import ClusterSpec
     from osdp_lightning.cost.cost import ChoiceCost, CostContext
-    from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
+    from osdp_lightning.profiling.records import ModelProfile, UnitProfile
     from osdp_lightning.runtime.meshes import Meshes
 
 _NAME_RE = re.compile(r"^(?P<kind>[a-z][a-z0-9_]*)(?:\((?P<params>[^()]*)\))?(?P<mods>(?:\+[a-z][a-z0-9_]*)*)$")

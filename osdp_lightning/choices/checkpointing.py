@@ -35,7 +35,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from osdp_lightning.choices.base import Choice, ChoiceModifier, ChoiceOptions, StepContext
 from osdp_lightning.cost.cost import ChoiceCost, CostContext
-from osdp_lightning.profiling.profile import ModelProfile, UnitProfile, logging_disabled, loss_runner
+from osdp_lightning.profiling.profile import logging_disabled, loss_runner
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile
 from osdp_lightning.profiling.units import ROOT
 from osdp_lightning.runtime.guards import preserved_state
 

@@ -15,7 +15,7 @@ from osdp_lightning.choices.zero3 import TERMS as ZERO3_TERMS
 from osdp_lightning.choices.zero3 import sharded_cost
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.cost.cost import ChoiceCost, CostContext, UnitBytes, all_reduce_s, ceil_div
-from osdp_lightning.profiling.profile import UnitProfile
+from osdp_lightning.profiling.records import UnitProfile
 
 
 def hsdp_choice(group: int) -> Choice:

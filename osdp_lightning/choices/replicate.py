@@ -22,7 +22,7 @@ from osdp_lightning.choices.base import (
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.cost.cost import ChoiceCost, CostContext, UnitBytes, all_reduce_s
 from osdp_lightning.cost.step_terms import GroupTerms
-from osdp_lightning.profiling.profile import UnitProfile
+from osdp_lightning.profiling.records import UnitProfile
 from osdp_lightning.runtime.replicate import (
     BUCKET_CAP_MB,
     build_replicate_reducer,
@@ -50,7 +50,8 @@ def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
     return ChoiceCost(str(choice), b.state, 0, backward_transient_bytes(unit, b, ctx), ctx.compute_s(unit),
                       ctx.once_per_step_s(all_reduce_s(b.grads, ctx.cluster.world_size, ctx.cluster)), prefetch_bytes=0,
                       exposed_s=ctx.once_per_step_s(ctx.world_latency_s() * bucket_share), overhead_s=overhead_s, optimizer_s=optimizer_s,
-                      activation_bytes=ctx.activation_bytes(unit), forward_bytes=0)
+                      activation_bytes=ctx.activation_bytes(unit), forward_bytes=0,
+                      unsaved_forward_bytes=ctx.unsaved_forward_bytes(unit))
 
 
 def backward_transient_bytes(unit: UnitProfile, b: UnitBytes, ctx: CostContext) -> int:

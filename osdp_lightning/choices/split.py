@@ -37,7 +37,8 @@ from osdp_lightning.cost.cost import (
     reduce_scatter_s,
 )
 from osdp_lightning.cost.step_terms import Affine, GroupTerms
-from osdp_lightning.profiling.profile import ModelProfile, UnitProfile, logging_disabled, loss_runner
+from osdp_lightning.profiling.profile import logging_disabled, loss_runner
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile
 from osdp_lightning.runtime.guards import preserved_rng, preserved_state
 from osdp_lightning.runtime.split import measure_split_overhead_s, shard_split_linear, split_linear_in_module
 

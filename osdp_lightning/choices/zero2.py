@@ -16,7 +16,7 @@ from osdp_lightning.choices.zero3 import sharded_cost
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.cost.cost import ChoiceCost, CostContext
 from osdp_lightning.cost.step_terms import GroupTerms
-from osdp_lightning.profiling.profile import UnitProfile
+from osdp_lightning.profiling.records import UnitProfile
 
 CHOICE = Choice("zero2")
 TERMS = GroupTerms("zero2", overhead={"cpu": (1.5e-3, 0.9e-9), "gpu": (2.0e-4, 0.0)},

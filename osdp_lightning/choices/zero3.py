@@ -22,7 +22,7 @@ from osdp_lightning.cost.cost import (
     reduce_scatter_s,
 )
 from osdp_lightning.cost.step_terms import GroupTerms
-from osdp_lightning.profiling.profile import UnitProfile
+from osdp_lightning.profiling.records import UnitProfile
 
 CHOICE = Choice("zero3")
 TERMS = GroupTerms("zero3", overhead={"cpu": (2.5e-3, 1.8e-9), "gpu": (3.0e-4, 0.0)},
@@ -76,7 +76,8 @@ def sharded_cost(unit: UnitProfile, choice: Choice, ctx: CostContext, *, gathers
                       overhead_s=overhead_s, optimizer_s=optimizer_s,
                       activation_bytes=ctx.activation_bytes(unit, sharded=True), forward_bytes=2 * b.gathered,
                       backward_prefetch_bytes=0 if whole else None,
-                      late_grad_bytes=0 if kept else ceil_div(b.grads, shard), reduce_bytes=b.reduced)
+                      late_grad_bytes=0 if kept else ceil_div(b.grads, shard), reduce_bytes=b.reduced,
+                      unsaved_forward_bytes=ctx.unsaved_forward_bytes(unit))
 
 
 def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:

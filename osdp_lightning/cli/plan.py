@@ -35,7 +35,7 @@ from osdp_lightning.plan.pipeline import profile_model
 from osdp_lightning.plan.plan import Plan
 from osdp_lightning.plan.planner import Planner, PlanOptions
 from osdp_lightning.profiling.optim_state import configured_optimizer
-from osdp_lightning.profiling.profile import ModelProfile
+from osdp_lightning.profiling.records import ModelProfile
 from osdp_lightning.report.plot import try_plot_plan
 
 

@@ -1,6 +1,6 @@
 """Stage 2, the cost model's records: what every choice family prices its choices with.
 
-For every unit of a :class:`~osdp_lightning.profiling.profile.ModelProfile` and every allowed choice, the
+For every unit of a :class:`~osdp_lightning.profiling.records.ModelProfile` and every allowed choice, the
 per-rank bytes and seconds that choice costs. Pure functions of the profile and a
 :class:`~osdp_lightning.cost.cluster.ClusterSpec`: no process group is needed, so tables can be built
 for clusters you do not have and unit-tested exactly. Each choice family prices its own choices
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.cost.step_terms import ALL_GATHER, ALL_REDUCE, PLAIN, REDUCE_SCATTER
-from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,13 @@ class CostContext:
         if unit.sharded_activation_bytes is not None:
             return int(unit.sharded_activation_bytes * self.batch_scale)
         return int((unit.activation_bytes - copies) * self.batch_scale)
+
+    def unsaved_forward_bytes(self, unit: UnitProfile) -> int:
+        """The most bytes of its own (its input included) the unit's forward holds at once when it
+        saves nothing for backward, at the table's micro-batch size; 0 when not measured."""
+        if unit.forward_rise_bytes is None:
+            return 0
+        return int((unit.forward_rise_bytes + unit.input_bytes) * self.batch_scale)
 
     def world_latency_s(self) -> float:
         """Launch latency of a collective over all ranks (0 with one rank: there is none)."""
@@ -173,6 +180,12 @@ class ChoiceCost:
     """Its reduce-scatter's input (the unsharded gradients as reduced), which FSDP2 keeps until the
     next unit's post-backward: alive through the backward of the unit before it."""
 
+    unsaved_forward_bytes: int = 0
+    """The most bytes of its own (its input included) its forward holds at once when it saves
+    nothing for backward (:meth:`CostContext.unsaved_forward_bytes`). A forward that keeps fewer
+    activations than that (a checkpointed one: only its input) still climbs to it while its
+    parameters are gathered: :attr:`forward_end_bytes` counts the difference."""
+
     @property
     def prefetch(self) -> int:
         return self.transient_bytes if self.prefetch_bytes is None else self.prefetch_bytes
@@ -193,10 +206,18 @@ class ChoiceCost:
 
     @property
     def forward_end_bytes(self) -> int:
-        """Its own bytes beside its live bytes when its forward ends: the parameters as gathered
+        """Its own bytes beside its live bytes as its forward ends: the parameters as gathered
         (FSDP2 reshards them after the forward, which has made its activations by then) and the
-        all-gather's output (kept until the next all-gather); 0 when :attr:`forward_bytes` is not known."""
-        return 0 if self.forward_bytes is None else max(self.forward_bytes - self.held_bytes, 0)
+        all-gather's output (kept until the next all-gather; 0 when :attr:`forward_bytes` is not
+        known), plus the intermediates of a forward that keeps less than it makes
+        (:attr:`unsaved_forward_bytes` above its activations).
+
+        NOTE: the intermediates peak after the previous unit's all-gather buffer is freed (FSDP2
+        frees it at this unit's copy-out): this moment, not its start. A BERT plan with every layer
+        zero2+ckpt peaked 5.1% above the model without them (the MLP's 4x-wide input beside its
+        GELU output in the last layer's forward), 0.8% under with them."""
+        gathered = 0 if self.forward_bytes is None else max(self.forward_bytes - self.held_bytes, 0)
+        return gathered + max(self.unsaved_forward_bytes - self.activation_bytes, 0)
 
     @property
     def persistent_bytes(self) -> int:

@@ -56,7 +56,8 @@ from osdp_lightning.plan.planner import Planner, PlanOptions
 from osdp_lightning.profiling.fakestep import build_meta_module
 from osdp_lightning.profiling.materialize import has_meta_tensors, materialize
 from osdp_lightning.profiling.precision import check_plan_precision
-from osdp_lightning.profiling.profile import ModelProfile, is_profiling
+from osdp_lightning.profiling.profile import is_profiling
+from osdp_lightning.profiling.records import ModelProfile
 from osdp_lightning.runtime.faults import all_ranks_succeed, broadcast_object, portable_error
 from osdp_lightning.runtime.meshes import Meshes, build_meshes
 from osdp_lightning.state.pretrained import load_pretrained

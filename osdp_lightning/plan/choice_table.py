@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from osdp_lightning.choices import BASE_CHOICES, REPLICATE, as_choice, choice_cost, family_of, is_allowed
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.cost.cost import ChoiceCost, ChoiceTable, CostContext, UnitCosts
-from osdp_lightning.profiling.profile import ModelProfile
+from osdp_lightning.profiling.records import ModelProfile
 from osdp_lightning.profiling.units import ROOT
 
 

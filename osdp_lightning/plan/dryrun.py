@@ -19,7 +19,7 @@ from osdp_lightning.plan.plan import Plan
 from osdp_lightning.plan.planner import Planner, PlanOptions
 from osdp_lightning.profiling.estimate import DEFAULT_COMPUTE_EFFICIENCY, estimate_profile
 from osdp_lightning.profiling.fakestep import ModelSource
-from osdp_lightning.profiling.profile import ModelProfile
+from osdp_lightning.profiling.records import ModelProfile
 
 __all__ = ["DEFAULT_COMPUTE_EFFICIENCY", "DRY_RUN_SOURCE", "estimate_profile", "dry_run_plan", "format_dry_run", "compose_config",
            "recipe_model_and_batch", "wants_dry_run", "estimate_recipe_profile", "mark_dry_run"]

@@ -18,8 +18,6 @@ from osdp_lightning.choices import REGISTRY, ChoiceOptions
 from osdp_lightning.choices.base import StepContext
 from osdp_lightning.profiling.optim_state import optimizer_state_bytes_per_param, optimizer_step_bytes
 from osdp_lightning.profiling.profile import (
-    ModelProfile,
-    UnitProfile,
     batch_size_of,
     logging_disabled,
     loss_runner,
@@ -27,6 +25,7 @@ from osdp_lightning.profiling.profile import (
     tensor_bytes,
 )
 from osdp_lightning.profiling.recorder import sharded_saved_bytes
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile
 from osdp_lightning.profiling.units import DEFAULT_MIN_UNIT_PARAMS, UnitSpec, select_units
 from osdp_lightning.runtime.guards import preserved_state
 

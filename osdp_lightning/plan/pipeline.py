@@ -1,6 +1,6 @@
 """Profiling for planning: the whole model, or from shapes (:class:`osdp_lightning.plan.planner.Planner` solves).
 
-Two ways to profile a model (both give a :class:`~osdp_lightning.profiling.profile.ModelProfile`):
+Two ways to profile a model (both give a :class:`~osdp_lightning.profiling.records.ModelProfile`):
 
 - **whole**: the real training step of the whole model on one device, timed per unit
   (:func:`~osdp_lightning.plan.measure.profile_lightning_module`). It holds about
@@ -31,7 +31,7 @@ from osdp_lightning.plan.unitbench import profile_from_shapes
 from osdp_lightning.profiling.fakestep import MIXED_PRECISION_DTYPES, FakeStepError
 from osdp_lightning.profiling.optim_state import configured_optimizer, optimizer_state_bytes_per_param
 from osdp_lightning.profiling.precision import sharded_precision, with_precision
-from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile
 from osdp_lightning.profiling.units import DEFAULT_MIN_UNIT_PARAMS, ROOT, select_units
 
 WHOLE_PROFILE_WEIGHT_COPIES = 3

@@ -21,7 +21,7 @@ from osdp_lightning.cost.budget import format_budget, format_bytes
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.cost.cost import ChoiceTable
 from osdp_lightning.plan.choice_table import build_choice_table
-from osdp_lightning.profiling.profile import ModelProfile, with_parts
+from osdp_lightning.profiling.records import ModelProfile, with_parts
 from osdp_lightning.profiling.units import ROOT, UnitSpec, unit_param_counts
 from osdp_lightning.solve import (
     choice_step_s,

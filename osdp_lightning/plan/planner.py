@@ -25,7 +25,7 @@ from osdp_lightning.choices import BASELINES, ChoiceOptions, choice_space, resol
 from osdp_lightning.cost.budget import MemoryBudget
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.plan.plan import InfeasibleBudgetError, Plan, baseline_peak_bytes, make_plan
-from osdp_lightning.profiling.profile import ModelProfile
+from osdp_lightning.profiling.records import ModelProfile
 
 AUTO_BATCH_FACTORS = (0.25, 0.5, 1, 2, 4, 8)
 """``micro_batch_size="auto"`` tries the profiled size times each of these."""

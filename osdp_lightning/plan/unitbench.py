@@ -50,13 +50,8 @@ from osdp_lightning.profiling.fakestep import (
 )
 from osdp_lightning.profiling.hf_init import hugging_face_owner
 from osdp_lightning.profiling.materialize import initialise_post_order
-from osdp_lightning.profiling.profile import (
-    ModelProfile,
-    UnitProfile,
-    logging_disabled,
-    loss_runner,
-    measure_units,
-)
+from osdp_lightning.profiling.profile import logging_disabled, loss_runner, measure_units
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile
 from osdp_lightning.profiling.units import DEFAULT_MIN_UNIT_PARAMS, UnitSpec, select_units
 from osdp_lightning.runtime.guards import preserved_rng
 

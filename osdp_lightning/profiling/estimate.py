@@ -36,22 +36,18 @@ from osdp_lightning.profiling.fakestep import (
     run_fake_step,
     step_runner,
 )
+from osdp_lightning.profiling.forward_rise import forward_rises
 from osdp_lightning.profiling.optim_state import (
     configured_optimizer,
     optimizer_state_bytes_per_param,
     optimizer_step_bytes,
 )
 from osdp_lightning.profiling.precision import sharded_precision, with_precision
-from osdp_lightning.profiling.profile import (
-    ModelProfile,
-    UnitProfile,
-    assemble_unit,
-    batch_size_of,
-    tensor_bytes,
-    with_measured_parts,
-)
+from osdp_lightning.profiling.profile import assemble_unit, batch_size_of, logging_disabled, tensor_bytes
 from osdp_lightning.profiling.recorder import sharded_saved_bytes
+from osdp_lightning.profiling.records import ModelProfile, UnitProfile, with_measured_parts
 from osdp_lightning.profiling.units import DEFAULT_MIN_UNIT_PARAMS, ROOT, UnitSpec, owned_params, select_units
+from osdp_lightning.runtime.guards import preserved_rng
 
 DEFAULT_COMPUTE_EFFICIENCY = 0.4
 """Share of the device's peak FLOP/s a training step achieves on the FLOPs FlopCounterMode
@@ -110,6 +106,8 @@ def estimate_profile(model: ModelSource, batch: object, *, peak_flops_per_s: flo
         nested = [*specs, *(part for s in specs for part in s.parts)] if with_parts else specs
         gathered = (sharded_saved_bytes(module, nested, run_loss, sharded.gather_dtype)
                     if sharded.gather_dtype is not None else None)
+        with preserved_rng(), logging_disabled(module):
+            forward = forward_rises(module, [*specs, *(part for s in specs for part in s.parts)], run_loss)
     # NOTE: the cost model scales activations with the micro-batch. Bytes that do not grow with it
     # (position embeddings) are fixed bytes instead; autocast's low-precision copies of parameters
     # do not grow either, but they are the units' (``cast_param_bytes``, which the cost model does
@@ -118,7 +116,7 @@ def estimate_profile(model: ModelSource, batch: object, *, peak_flops_per_s: flo
     copies = min(sum(step.cast_bytes.values()), single - per_batch_bytes)
     seconds_per_flop = 1.0 / (peak_flops_per_s * compute_efficiency)
     elem = trainable[0].element_size()
-    units = _unit_profiles(module, specs, step, seconds_per_flop, elem, rises, with_parts, gathered)
+    units = _unit_profiles(module, specs, step, seconds_per_flop, elem, rises, with_parts, gathered, forward)
     optimizer = configured_optimizer(module)
     if optimizer_bytes_per_param is None:  # NOTE: without an optimizer, Adam's two states
         optimizer_bytes_per_param = (optimizer_state_bytes_per_param(optimizer, trainable[0].dtype)
@@ -137,7 +135,8 @@ def estimate_profile(model: ModelSource, batch: object, *, peak_flops_per_s: flo
 
 def _unit_profiles(module: nn.Module, specs: Sequence[UnitSpec], step: FakeStep, seconds_per_flop: float,
                    elem: int, rises: dict[str, int], with_parts: bool,
-                   gathered: dict[str, int] | None = None) -> tuple[UnitProfile, ...]:
+                   gathered: dict[str, int] | None = None, forward: dict[str, int] | None = None,
+                   ) -> tuple[UnitProfile, ...]:
     """Units in execution order (never-called units go to the root, as in the measured profile);
     ``with_parts``: each block with its parts, as the measured profile has them; ``gathered``: the
     bytes each unit saved with every unit run as FSDP2 gathering in bf16 (``None``: not measured)."""
@@ -157,7 +156,7 @@ def _unit_profiles(module: nn.Module, specs: Sequence[UnitSpec], step: FakeStep,
             forward_s=flops[0] * seconds_per_flop, backward_s=flops[1] * seconds_per_flop,
             activation_bytes=saved, input_bytes=step.input_bytes.get(spec.name, 0),
             output_bytes=step.output_numel.get(spec.name, 0) * elem,
-            interleaved=spec.name in step.interleaved,
+            interleaved=spec.name in step.interleaved, forward_rise_bytes=(forward or {}).get(spec.name),
             backward_rise_bytes=rises.get(spec.name),
             tail_activation_bytes=step.root_tail_bytes if spec.name == ROOT else 0, cast_param_bytes=cast,
             sharded_activation_bytes=None if gathered is None else _own_bytes(gathered, spec.name, owned))

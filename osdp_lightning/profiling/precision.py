@@ -21,7 +21,7 @@ import dataclasses
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from osdp_lightning.profiling.profile import ModelProfile
+from osdp_lightning.profiling.records import ModelProfile
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true", "64-true")
 """Lightning precision flags the osdp strategy trains with (``"32"``, ``"64"``: their short names)."""

@@ -7,7 +7,7 @@ parameter (tied weights) form one unit, since a parameter can live in one FSDP g
 By default the units are the model's repeated blocks (found as FSDP users' auto-wrap policies
 find them: children of an ``nn.ModuleList`` that share a class) plus the large leaf modules
 outside them; each block also lists its *parts* (its large leaf modules), so that the plan may
-take a block whole or descend into its parts (:func:`osdp_lightning.profiling.profile.with_parts`).
+take a block whole or descend into its parts (:func:`osdp_lightning.profiling.records.with_parts`).
 """
 
 from __future__ import annotations

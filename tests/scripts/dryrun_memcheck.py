@@ -34,7 +34,8 @@ from osdp_lightning.plan.dryrun import dry_run_plan, estimate_profile
 from osdp_lightning.plan.plan import Plan
 from osdp_lightning.profiling.fakestep import build_meta_module, fake_batch, fake_mode, step_runner
 from osdp_lightning.profiling.optim_state import configured_optimizer
-from osdp_lightning.profiling.profile import ModelProfile, logging_disabled
+from osdp_lightning.profiling.profile import logging_disabled
+from osdp_lightning.profiling.records import ModelProfile
 from osdp_lightning.runtime.meshes import build_meshes
 
 RANKS_PER_NODE = 8

@@ -39,7 +39,7 @@ from osdp_lightning import OSDPFabricStrategy
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.plan.plan import Plan, fixed_plan
 from osdp_lightning.profiling.estimate import estimate_profile
-from osdp_lightning.profiling.profile import with_parts
+from osdp_lightning.profiling.records import with_parts
 from osdp_lightning.state.checkpoint import model_state
 
 

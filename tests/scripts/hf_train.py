@@ -26,7 +26,7 @@ from osdp_lightning import OSDPStrategy
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.plan.plan import Plan, fixed_plan
 from osdp_lightning.profiling.estimate import estimate_profile
-from osdp_lightning.profiling.profile import with_parts
+from osdp_lightning.profiling.records import with_parts
 
 VOCAB, SEQ, BATCH = 256, 32, 4
 SMALL = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)

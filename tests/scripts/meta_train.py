@@ -30,7 +30,7 @@ from osdp_lightning import OSDPStrategy
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.plan.plan import Plan, fixed_plan
 from osdp_lightning.profiling.estimate import estimate_profile
-from osdp_lightning.profiling.profile import with_parts
+from osdp_lightning.profiling.records import with_parts
 
 CONFIG = GPTConfig(vocab_size=384, block_size=32, n_layer=3, n_head=4, n_embd=64, dropout=0.0)
 

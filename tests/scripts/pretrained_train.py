@@ -31,7 +31,7 @@ from osdp_lightning import OSDPStrategy, PretrainedWeights
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.plan.plan import Plan, fixed_plan
 from osdp_lightning.profiling.estimate import estimate_profile
-from osdp_lightning.profiling.profile import with_parts
+from osdp_lightning.profiling.records import with_parts
 from osdp_lightning.state.canonical import model_state
 
 CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

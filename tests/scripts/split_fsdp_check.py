@@ -116,7 +116,7 @@ def check_checkpoints(rank: int, meshes: tuple) -> dict:
 
 
 def memory_profile(k: int) -> tuple:
-    from osdp_lightning.profiling.profile import ModelProfile, UnitProfile
+    from osdp_lightning.profiling.records import ModelProfile, UnitProfile
 
     unit = UnitProfile("2", ("2",), HIDDEN * HIDDEN + HIDDEN, 0, 0.0, 0.0, 0,
                        linear_shape=(HIDDEN, HIDDEN), split_overhead_s=((k, 0.0),))
