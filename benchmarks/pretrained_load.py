@@ -1,6 +1,7 @@
 """Pretrained weights into a sharded model on 2 CPU ranks: load time, memory, correctness, export.
 
-    ./dev bench pretrained_load [--parts load,matrix,export] [--budget 70%ddp] [--repeats 3]
+    ./dev bench pretrained_load [--parts load,long,export,matrix] [--budget 70%ddp] [--repeats 3]
+                                [--long-seq-len 1024 --long-budget 50%ddp]
                                 [--matrix llama:2x64,gpt2:2x64,llama:1x32] [--out-dir docs/benchmarks/pretrained_load]
     ./dev bench pretrained_load --report-only DIR/pretrained_load_runs.json[.gz] --out-dir DIR
 
@@ -8,15 +9,22 @@ Nothing is downloaded: every model is ``save_pretrained`` from a config into a t
 Every launch is osdp-train (:mod:`benchmarks.pretrained_load_worker`: each rank's LoadReport and
 resident high-water mark too), both ranks started at once (:mod:`benchmarks.launch`).
 
-- ``load``: ``model=hf_llama_110m`` (12 x 768 Llama, fp32 safetensors, 438 MB). In fresh
-  processes, ``AutoModelForCausalLM.from_pretrained(DIR)`` timed 3 times (median), alone and
-  followed by reading every weight once. Then osdp-train ``meta_init=true model.pretrained=DIR`` at
-  ``--budget`` (a budget its DDP state does not fit) with ``MALLOC_MMAP_THRESHOLD_=65536`` as
-  docs/benchmarks/capacity/README.md measures memory: the first launch solves the plan, the next
-  ``--repeats - 1`` train from it (``strategy.plan=``). The same plan built eagerly with
-  ``from_pretrained`` on every rank, Lightning's ``ddp`` from the same directory, and a 1 x 16
-  Llama through each of those commands (the fixed cost: interpreter, torch, gloo, Lightning,
-  transformers; and osdp's calibration where the plan is solved).
+- ``load``: ``model=hf_llama_110m`` (12 x 768 Llama, fp32 safetensors, 438 MB). Before each osdp
+  launch, in a fresh process, ``AutoModelForCausalLM.from_pretrained(DIR)`` timed 3 times (median;
+  the first call too), alone and followed by reading every weight once, the file put in the page
+  cache before each call. Then osdp-train ``meta_init=true model.pretrained=DIR`` at ``--budget`` (a
+  budget its DDP state does not fit) with ``MALLOC_MMAP_THRESHOLD_=65536`` as
+  docs/benchmarks/capacity/README.md measures memory, the file put in the page cache just before
+  the load (:mod:`benchmarks.pretrained_load_worker`; this VM pages out a file idle for a minute,
+  and the first launch solves the plan for minutes): the first launch solves the plan, the next
+  ``--repeats - 1`` train from it (``strategy.plan=``). One more launch from the plan loads from a
+  cold page cache, beside ``from_pretrained`` timed with the file's pages dropped before each call.
+  The same plan built eagerly with ``from_pretrained`` on every rank, Lightning's ``ddp`` from the
+  same directory, and a 1 x 16 Llama through each of those commands (the fixed cost: interpreter,
+  torch, gloo, Lightning, transformers; and osdp's calibration where the plan is solved).
+- ``long``: the same model at ``--long-seq-len`` and ``--long-budget`` (50%ddp at sequence 1024:
+  activations make DDP's peak large enough that half of it fits a plan), built on meta from the
+  same directory, ``--long-steps`` steps; and the 1 x 16 Llama through the same command.
 - ``matrix``: per tiny family and shape, Lightning's ``ddp`` from a saved directory against osdp at
   ``60%ddp`` and at 5% above the smallest budget osdp names (read from a launch at ``25%ddp``),
   built on meta (osdp loads), built eagerly with random weights (osdp loads), and built eagerly
@@ -42,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import pretrained_load_report as report
+from benchmarks import pretrained_load_worker as worker
 from benchmarks.compare import describe_machine, load_average
 from benchmarks.launch import run_ranks
 from benchmarks.runs_file import read_runs
@@ -79,7 +88,7 @@ class Progress:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pretrained_load", description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="load,matrix,export")
+    parser.add_argument("--parts", default="load,long,export,matrix")
     parser.add_argument("--budget", default="70%ddp", help="the 110M model's budget per rank (load part)")
     parser.add_argument("--probe-budget", default="50%ddp",
                         help="a budget also tried first, recording what osdp says of it ('' to skip)")
@@ -90,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="space-separated overrides of model=hf_llama_110m for the saved model "
                              "(e.g. model.hf_config.num_hidden_layers=2: a quick trial)")
     parser.add_argument("--no-ddp", action="store_true", help="skip Lightning's ddp launch of the 110M model")
+    parser.add_argument("--no-cold", action="store_true", help="skip the launch that loads from a cold page cache")
+    parser.add_argument("--long-seq-len", type=int, default=1024)
+    parser.add_argument("--long-budget", default="50%ddp")
+    parser.add_argument("--long-steps", type=int, default=3)
     parser.add_argument("--matrix", default="llama:2x64,gpt2:2x64,llama:1x32",
                         help="correctness cases, FAMILY:BATCHxSEQ (micro-batch x data.seq_len)")
     parser.add_argument("--matrix-steps", type=int, default=8)
@@ -98,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--report-only", type=Path, default=None, metavar="RUNS_JSON",
                         help="render the report of an earlier pretrained_load_runs.json (or .json.gz) into --out-dir")
     parser.add_argument("--time-from-pretrained", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--page-cache", default="warm", help=argparse.SUPPRESS)
     return parser
 
 
@@ -118,17 +132,19 @@ def save_model(model: str, overrides: list[str], directory: Path, seed: int) -> 
             "file_bytes": sum(f.stat().st_size for f in files), "type": type(net).__name__}
 
 
-def time_from_pretrained(directory: Path, calls: int = 3) -> dict[str, Any]:
+def time_from_pretrained(directory: Path, cache: str, calls: int = 3) -> dict[str, Any]:
     """In this (fresh) process: ``from_pretrained(directory)`` ``calls`` times, alone and then with
-    every weight read once (transformers maps the file: the call itself reads no weight)."""
+    every weight read once (transformers maps the file: the call itself reads no weight); before each
+    call the file is put in the page cache (``cache="warm"``) or dropped from it (``"cold"``)."""
     import torch
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(directory)
     with torch.device("meta"):  # NOTE: imports the modelling code, as the meta-built osdp run did
         transformers.AutoModelForCausalLM.from_config(config)
-    call_s, read_s = [], []
+    call_s, read_s, held = [], [], []
     for _ in range(calls):
+        held.append(worker.set_page_cache(directory, cache)["resident_before"])
         start = time.perf_counter()
         model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
         call_s.append(time.perf_counter() - start)
@@ -136,23 +152,27 @@ def time_from_pretrained(directory: Path, calls: int = 3) -> dict[str, Any]:
             sum(float(p.sum()) for p in model.parameters())
         read_s.append(time.perf_counter() - start)
         del model
-    return {"call_s": call_s, "read_s": read_s, "load_average": load_average()}
+    return {"call_s": call_s, "read_s": read_s, "page_cache": cache, "resident_before": held,
+            "load_average": load_average()}
 
 
-def timed_from_pretrained(directory: Path) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.pretrained_load", "--time-from-pretrained", str(directory)]
+def timed_from_pretrained(directory: Path, cache: str) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "benchmarks.pretrained_load", "--time-from-pretrained", str(directory),
+           "--page-cache", cache]
     done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True,
                           text=True, timeout=600, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # -- one 2-rank launch of osdp-train ------------------------------------------------------------------
-def train(overrides: list[str], work: Path, label: str, timeout_s: float, mmap: bool = False) -> dict[str, Any]:
-    """osdp-train with ``overrides`` on 2 ranks; its records (:func:`report.read_run`)."""
+def train(overrides: list[str], work: Path, label: str, timeout_s: float, mmap: bool = False,
+          cache: str = "") -> dict[str, Any]:
+    """osdp-train with ``overrides`` on 2 ranks, the weight files put in ``cache`` state before a load;
+    its records (:func:`report.read_run`)."""
     run_dir = work / label
     cmd = [sys.executable, "-m", "benchmarks.pretrained_load_worker", *SMOKE, *overrides, f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OSDP_LIGHTNING_CACHE_DIR": str(work / "calibration"),
-           **(MMAP_ENV if mmap else {})}
+           worker.PAGE_CACHE_ENV: cache, **(MMAP_ENV if mmap else {})}
     start = time.perf_counter()
     code = run_ranks(cmd, work / f"{label}.log", timeout_s, env=env, cwd=ROOT)
     record = report.read_run(run_dir, (work / f"{label}.log").read_text(), code)
@@ -164,11 +184,19 @@ def train(overrides: list[str], work: Path, label: str, timeout_s: float, mmap: 
 
 
 # -- the parts ---------------------------------------------------------------------------------
+def saved_model(args: argparse.Namespace, work: Path, saved: dict[str, Any]) -> Path:
+    """The 110M model, written into ``work`` once (its record into ``saved``)."""
+    pretrained, record = work / "llama110m", work / "llama110m.json"
+    if not record.exists():
+        record.write_text(json.dumps(save_model("hf_llama_110m", args.model_overrides.split(), pretrained, seed=0)))
+    saved["model"] = json.loads(record.read_text())
+    return pretrained
+
+
 def load_part(args: argparse.Namespace, work: Path, export: bool, saved: dict[str, Any]) -> None:
     """The 110M model into ``saved``: from_pretrained timings, osdp launches, the eager and ddp launches,
     the fixed costs."""
-    pretrained = work / "llama110m"
-    saved["model"] = save_model("hf_llama_110m", args.model_overrides.split(), pretrained, seed=0)
+    pretrained = saved_model(args, work, saved)
     base = ["model=hf_llama_110m", f"model.pretrained={pretrained}", f"data.seq_len={args.seq_len}",
             f"trainer.max_steps={args.steps}"]
     budget = f"cluster.memory_budget={args.budget}"
@@ -178,38 +206,61 @@ def load_part(args: argparse.Namespace, work: Path, export: bool, saved: dict[st
         saved["probe"] = train([*base, "meta_init=true", f"cluster.memory_budget={args.probe_budget}"], work,
                                "probe", args.run_timeout_s, mmap=True)
     saved["from_pretrained"], saved["osdp"] = [], []
-    for i in range(args.repeats):
-        saved["from_pretrained"].append(timed_from_pretrained(pretrained))
-        plan = [f"strategy.plan={work / 'osdp_0' / 'plan.json'}"] if i else []
-        ckpt = list(CHECKPOINT) if export and i == args.repeats - 1 else []
-        record = train([*base, "meta_init=true", budget, *plan, *ckpt], work, f"osdp_{i}", args.run_timeout_s,
-                       mmap=True)
-        saved["osdp"].append({**record, "fixed_kind": "plan" if i else "solve"})
+    plan = [f"strategy.plan={work / 'osdp_0' / 'plan.json'}"]
+    launches = [(f"osdp_{i}", "warm", plan if i else []) for i in range(args.repeats)]
+    launches += [] if args.no_cold else [("osdp_cold", "cold", plan)]
+    for label, cache, from_plan in launches:
+        saved["from_pretrained"].append(timed_from_pretrained(pretrained, cache))
+        ckpt = list(CHECKPOINT) if export and label == f"osdp_{args.repeats - 1}" else []
+        record = train([*base, "meta_init=true", budget, *from_plan, *ckpt], work, label, args.run_timeout_s,
+                       mmap=True, cache=cache)
+        saved["osdp"].append({**record, "fixed_kind": "plan" if from_plan else "solve", "checkpoint": bool(ckpt)})
         if record["status"] != "ok":
             break
     solved = saved["osdp"][0]
     if solved["status"] == "ok":
-        saved["eager"] = {**train([*base, budget, f"strategy.plan={work / 'osdp_0' / 'plan.json'}"], work, "eager",
-                                  args.run_timeout_s, mmap=True), "fixed_kind": "plan"}
+        saved["eager"] = {**train([*base, budget, *plan], work, "eager", args.run_timeout_s, mmap=True),
+                          "fixed_kind": "plan"}
     if not args.no_ddp:
         saved["ddp"] = {**train([*base, "strategy=ddp"], work, "ddp", args.run_timeout_s, mmap=True), "fixed_kind": "ddp"}
     budget_bytes = (solved.get("summary") or {}).get("memory_budget_bytes")
     saved["fixed"] = {}
-    fixed_costs(args, work, f"{budget_bytes}B" if budget_bytes else args.budget, saved["fixed"])
+    fixed_costs(args, work, f"{budget_bytes}B" if budget_bytes else args.budget, args.seq_len, saved["fixed"],
+                with_plan=True, with_ddp=not args.no_ddp)
 
 
-def fixed_costs(args: argparse.Namespace, work: Path, budget: str, fixed: dict[str, dict[str, Any]]) -> None:
+def long_part(args: argparse.Namespace, work: Path, saved: dict[str, Any]) -> None:
+    """The 110M model at ``--long-seq-len`` and ``--long-budget``, built on meta and loaded; its fixed cost."""
+    pretrained = saved_model(args, work, saved)
+    overrides = ["model=hf_llama_110m", f"model.pretrained={pretrained}", f"data.seq_len={args.long_seq_len}",
+                 f"trainer.max_steps={args.long_steps}", "meta_init=true", f"cluster.memory_budget={args.long_budget}"]
+    saved["command"] = " ".join(["MALLOC_MMAP_THRESHOLD_=65536 ./dev train",
+                                 *(o.replace(str(pretrained), "DIR") for o in overrides), *SMOKE])
+    record = train(overrides, work, "long", args.run_timeout_s, mmap=True)
+    saved["osdp"] = [{**record, "fixed_kind": "solve"}]
+    budget_bytes = (record.get("summary") or {}).get("memory_budget_bytes")
+    saved["fixed"] = {}
+    if record["status"] == "ok":
+        fixed_costs(args, work, f"{budget_bytes}B", args.long_seq_len, saved["fixed"], with_plan=False,
+                    with_ddp=False, steps=args.long_steps)
+
+
+def fixed_costs(args: argparse.Namespace, work: Path, budget: str, seq_len: int, fixed: dict[str, dict[str, Any]],
+                with_plan: bool, with_ddp: bool, steps: int | None = None) -> None:
     """A 1 x 16 Llama through each command the 110M model ran: solving, from a saved plan, Lightning's ddp."""
     tiny = work / "tiny"
-    save_model("hf_llama_110m", list(TINY_LLAMA), tiny, seed=0)
-    base = ["model=hf_llama_110m", f"model.pretrained={tiny}", f"data.seq_len={args.seq_len}",
-            f"trainer.max_steps={args.steps}"]
+    if not tiny.exists():
+        save_model("hf_llama_110m", list(TINY_LLAMA), tiny, seed=0)
+    base = ["model=hf_llama_110m", f"model.pretrained={tiny}", f"data.seq_len={seq_len}",
+            f"trainer.max_steps={steps or args.steps}"]
     meta = [*base, "meta_init=true", f"cluster.memory_budget={budget}"]
-    fixed["solve"] = train(meta, work, "fixed_solve", args.run_timeout_s, mmap=True)
-    fixed["plan"] = train([*meta, f"strategy.plan={work / 'fixed_solve' / 'plan.json'}"], work, "fixed_plan",
-                          args.run_timeout_s, mmap=True)
-    if not args.no_ddp:
-        fixed["ddp"] = train([*base, "strategy=ddp"], work, "fixed_ddp", args.run_timeout_s, mmap=True)
+    label = f"fixed_{seq_len}"
+    fixed["solve"] = train(meta, work, f"{label}_solve", args.run_timeout_s, mmap=True)
+    if with_plan:
+        fixed["plan"] = train([*meta, f"strategy.plan={work / f'{label}_solve' / 'plan.json'}"], work,
+                              f"{label}_plan", args.run_timeout_s, mmap=True)
+    if with_ddp:
+        fixed["ddp"] = train([*base, "strategy=ddp"], work, f"{label}_ddp", args.run_timeout_s, mmap=True)
 
 
 def matrix_part(args: argparse.Namespace, work: Path, records: list[dict[str, Any]]) -> None:
@@ -260,7 +311,7 @@ def matrix_jobs(smallest: int | None, from_dir: str, strategy_loads: str) -> lis
 
 def export_part(load: dict[str, Any], work: Path) -> dict[str, Any]:
     """osdp-export of the last load launch's checkpoint, timed; from_pretrained of it against the checkpoint."""
-    last = load["osdp"][-1]
+    last = next((r for r in load["osdp"] if r.get("checkpoint")), load["osdp"][-1])
     ckpts = sorted((work / last["label"]).rglob("*.ckpt"))
     if last["status"] != "ok" or not ckpts:
         return {"status": "skipped", "message": f"no checkpoint from {last['label']} ({last['status']})"}
@@ -302,19 +353,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     args.part_list = [p for p in args.parts.split(",") if p]
     args.matrix_list = parse_matrix(args.matrix)
-    if set(args.part_list) - {"load", "matrix", "export"}:
-        raise SystemExit(f"--parts takes load, matrix, export; got {args.parts!r}")
+    if set(args.part_list) - {"load", "long", "matrix", "export"}:
+        raise SystemExit(f"--parts takes load, long, export, matrix; got {args.parts!r}")
     if "export" in args.part_list and "load" not in args.part_list:
         raise SystemExit("--parts export needs load (it exports the load part's checkpoint)")
-    if args.steps < 3:
-        raise SystemExit("--steps must be at least 3 (memory is tracked at step 2)")
+    if min(args.steps, args.long_steps) < 3:
+        raise SystemExit("--steps and --long-steps must be at least 3 (memory is tracked at step 2)")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.time_from_pretrained is not None:
-        print(json.dumps(time_from_pretrained(args.time_from_pretrained)))
+        print(json.dumps(time_from_pretrained(args.time_from_pretrained, args.page_cache)))
         return 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.report_only is not None:
@@ -326,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                                {"seq_len": args.seq_len, "steps": args.steps}, None)
     machine.update(command=" ".join(["./dev bench pretrained_load", *(argv if argv is not None else sys.argv[1:])]),
                    load_average_start=load_start, complete=False)
-    saved: dict[str, Any] = {"load": None, "matrix": [], "export": None, "machine": machine}
+    saved: dict[str, Any] = {"load": None, "long": None, "matrix": [], "export": None, "machine": machine}
     Progress.saved, Progress.path = saved, args.out_dir / "pretrained_load_runs.json"
     with tempfile.TemporaryDirectory(prefix="osdp-pretrained-load-") as tmp:
         work = Path(tmp)
@@ -335,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
             load_part(args, work, "export" in args.part_list, saved["load"])
         if "export" in args.part_list:
             saved["export"] = export_part(saved["load"], work)
+            Progress.write()
+        if "long" in args.part_list:
+            saved["long"] = {}
+            long_part(args, work, saved["long"])
             Progress.write()
         if "matrix" in args.part_list:
             matrix_part(args, work, saved["matrix"])

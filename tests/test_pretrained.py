@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -22,16 +23,24 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from ckpt_launch import SCRIPTS, run_ranks  # noqa: E402
-from pretrained_train import CONFIG, HAND_MADE  # noqa: E402
+from pretrained_train import CONFIG, HAND_MADE, LAYER  # noqa: E402
 
 from osdp_lightning import PretrainedWeights, load_pretrained  # noqa: E402
 from osdp_lightning.runtime.split import split_linear_in_module  # noqa: E402
 from osdp_lightning.state.checkpoint import UnsafeCheckpointError, consolidate_checkpoint  # noqa: E402
 from osdp_lightning.state.export import export_hf  # noqa: E402
-from osdp_lightning.state.weight_files import KeyMap, PretrainedWeightsError, best_key_map  # noqa: E402
+from osdp_lightning.state.weight_files import (  # noqa: E402
+    KeyMap,
+    PretrainedWeightsError,
+    best_key_map,
+    open_weights,
+    run_start,
+)
 
 hf = pytest.importorskip("transformers")
+_PREADV = os.preadv
 REPO = Path(__file__).resolve().parents[1]
+SPLIT = [name.removeprefix(f"{LAYER}.") for name, choice in HAND_MADE.items() if choice.startswith("split")]
 
 
 class Holder(nn.Module):
@@ -169,6 +178,50 @@ def test_a_truncated_safetensors_file_is_refused(tmp_path: Path) -> None:
         load_pretrained(_mlp(), tmp_path / "w.safetensors")
 
 
+def test_a_box_of_one_run_is_read_straight_into_its_tensor_others_through_the_mapping(tmp_path: Path) -> None:
+    assert run_start((4, 6), (slice(1, 3), slice(0, 6))) == 6  # a rank's rows: one run
+    assert run_start((4, 6), (slice(1, 2), slice(2, 5))) == 8
+    assert run_start((4, 6), (slice(1, 3), slice(2, 5))) is None  # a split slice's columns: one run per row
+    assert run_start((2, 3, 4), (slice(0, 1), slice(1, 3), slice(0, 4))) == 4
+    assert run_start((2, 3, 4), (slice(0, 2), slice(1, 2), slice(0, 4))) is None
+    assert run_start((), ()) == 0
+    tensors = {"m": torch.arange(24.0).reshape(4, 6), "c": torch.arange(24.0).reshape(2, 3, 4), "s": torch.tensor(7.0),
+               "h": torch.arange(6.0, dtype=torch.bfloat16)}
+    save_file(tensors, tmp_path / "w.safetensors")
+    fd = os.open(tmp_path / "w.safetensors", os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache: the runs ahead are asked for
+    os.close(fd)
+    reads = [("m", (slice(1, 3), slice(0, 6))), ("m", (slice(1, 3), slice(2, 5))), ("s", ()),
+             ("c", (slice(0, 2), slice(1, 3), slice(1, 4))), ("c", (slice(1, 2), slice(0, 3), slice(0, 4))),
+             ("h", (slice(2, 5),))]
+    outs = [torch.full(tuple(b.stop - b.start for b in box), -1.0) for _, box in reads]  # fp32: "h" is cast
+    outs.append(torch.empty(6, 4).t())  # not contiguous: through the mapping
+    reads.append(("m", (slice(0, 4), slice(0, 6))))
+    preadv = []
+    with open_weights(tmp_path / "w.safetensors") as files, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "preadv", lambda fd, views, offset, *flags: preadv.append(offset) or _PREADV(fd, views, offset, *flags))
+        files.will_read((name, box, out) for (name, box), out in zip(reads, outs, strict=True))
+        for (name, box), out in zip(reads, outs, strict=True):
+            assert files.read_into(name, box, out) == (name == "h")
+            assert torch.equal(out, tensors[name][box].float()), (name, box)
+        assert files.bytes_read == 4 * (12 + 6 + 1 + 12 + 12 + 24) + 2 * 3
+    starts = {name: files.infos[name].offset_bytes for name in tensors}
+    assert sorted(set(preadv)) == sorted({starts["m"] + 4 * 6, starts["s"], starts["c"] + 4 * 12})  # the runs only
+
+
+def test_a_file_cut_short_after_it_was_opened_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    """Reads are ``os.preadv``, not page faults on a mapped file (a ``SIGBUS`` past its end)."""
+    path = tmp_path / "w.safetensors"
+    save_file(_mlp(64).state_dict(), path)
+    with open_weights(path) as files:
+        last = max(files.infos, key=lambda n: files.infos[n].offset_bytes)
+        os.truncate(path, path.stat().st_size - 100)
+        shape = files.infos[last].shape
+        with pytest.raises(PretrainedWeightsError, match=rf"w.safetensors is not a complete safetensors file .*{last} ends"):
+            files.read_into(last, tuple(slice(0, n) for n in shape), torch.empty(shape))
+
+
 def test_a_truncated_torch_file_is_refused(tmp_path: Path) -> None:
     torch.save(_mlp().state_dict(), tmp_path / "w.pt")
     (tmp_path / "w.pt").write_bytes((tmp_path / "w.pt").read_bytes()[:-100])
@@ -261,7 +314,10 @@ def test_each_rank_reads_only_the_rows_it_keeps(eager_run: tuple[Path, list[dict
         for name, count in rank["held"].items():  # a split layer's slices: one canonical weight
             key = name.removeprefix("net.").replace(".slices.0", "").replace(".slices.1", "")
             held[key] = held.get(key, 0) + count
-        read = {k: sum(v) for k, v in rank["reads"].items()}
+        read = {k: sum(v) for k, v in rank["reads"].items()}  # the bytes os.preadv read, placed by the header
+        assert set(rank["slice_reads"]) == {f"{LAYER}.{n}.weight".removeprefix("net.") for n in SPLIT}  # columns
+        for name, counts in rank["slice_reads"].items():
+            read[name] = read.get(name, 0) + sum(counts)
         assert read == held  # exactly what it keeps, each tied tensor once
         assert read["model.embed_tokens.weight"] == file_elements["model.embed_tokens.weight"] // 2  # zero3
         assert read["model.layers.1.mlp.down_proj.weight"] == file_elements["model.layers.1.mlp.down_proj.weight"]

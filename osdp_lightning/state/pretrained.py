@@ -11,9 +11,10 @@ device materialized first), when parameters are FSDP2 DTensors (a rank's rows of
 3. rename the file's keys onto the module's (:func:`~osdp_lightning.state.weight_files.best_key_map`, or
    the given prefix) and check every name and shape. Every rank reads the same headers, so every
    rank decides alike, and a mismatch is one error on every rank before any tensor is written;
-4. per tensor and per local piece, the box this rank holds (from the DTensor's mesh and
-   placements; a split slice's columns), read from the file and copied in, cast to the model's
-   dtype. No rank holds more than one tensor's block at a time.
+4. per tensor (in file order) and per local piece, the box this rank holds (from the DTensor's
+   mesh and placements; a split slice's columns), read from the file straight into the local
+   tensor (:meth:`~osdp_lightning.state.weight_files.WeightFiles.read_into`), cast to the model's
+   dtype where the file holds another. No rank holds more than one tensor's block at a time.
 
 Non-persistent buffers (rotary tables, causal masks) are in no file and stay as initialised; a
 persistent buffer the file lacks does too.
@@ -238,16 +239,16 @@ def _mismatch_error(path: str, key_map: KeyMap, left: dict[str, list[str]], matc
 def _write(files: WeightFiles, matched: list[tuple[_LiveTensor, str]]) -> int:
     """Copy each tensor's local blocks in from the file; the number of tensors cast to another dtype."""
     cast: set[str] = set()
+    # NOTE: in file order: a file the page cache does not hold is read front to back
+    in_order = sorted(matched, key=lambda m: (str(files.infos[m[1]].file), files.infos[m[1]].offset_bytes))
+    blocks = [(tensor.names[0], file_key, *_local_block(piece, tensor.names[0]))
+              for tensor, file_key in in_order for piece in tensor.pieces]
+    blocks = [b for b in blocks if b[2].numel()]  # NOTE: more ranks than rows: this rank may hold none
+    files.will_read((file_key, box, local) for _, file_key, local, box in blocks)
     with torch.no_grad():
-        for tensor, file_key in matched:
-            for piece in tensor.pieces:
-                local, box = _local_block(piece, tensor.names[0])
-                if local.numel() == 0:
-                    continue  # NOTE: more ranks than rows: this rank holds none of them
-                block = files.read(file_key, box)
-                local.copy_(block)  # casts to the model's dtype (a bf16 file into an fp32 model)
-                if block.dtype != local.dtype:
-                    cast.add(tensor.names[0])
+        for name, file_key, local, box in blocks:
+            if files.read_into(file_key, box, local):
+                cast.add(name)
     return len(cast)
 
 

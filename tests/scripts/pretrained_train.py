@@ -4,15 +4,18 @@ hand-made plan with every kind of choice, then save a checkpoint; write what hap
     python pretrained_train.py --pretrained DIR --ckpt run.ckpt --out r.json [--meta]
 
 The model is built with other random weights (eagerly, or on the meta device with ``--meta``);
-``OSDPStrategy(pretrained=DIR)`` fills it. Each rank records its first batch and loss, every
-``get_slice`` box it read (``safetensors.safe_open`` wrapped), and what it holds of each tensor.
-Rank 0 writes the trained weights whole (``<out>.final.pt``) for the export check.
+``OSDPStrategy(pretrained=DIR)`` fills it. Each rank records its first batch and loss, the bytes
+it read of each tensor (every ``os.preadv`` of a safetensors file, placed by the file's header; every
+``get_slice`` box apart), and what it holds of each tensor. Rank 0 writes the trained weights whole
+(``<out>.final.pt``) for the export check.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,8 +78,11 @@ def loader() -> DataLoader:
     return DataLoader(TensorDataset(tokens), batch_size=2, collate_fn=lambda rows: {"input_ids": torch.stack([r[0] for r in rows])})
 
 
-READS: dict[str, list[int]] = {}
-"""Per tensor name: the elements of every box this rank read from a safetensors file."""
+SLICE_READS: dict[str, list[int]] = {}
+"""Per tensor name: the elements of every ``get_slice`` box this rank read from a safetensors file."""
+PREADS: list[tuple[str, int, int]] = []
+"""Every ``os.preadv`` this rank made: (file, offset, bytes read)."""
+_ITEM_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 
 
 class _RecordingFile:
@@ -98,7 +104,7 @@ class _RecordingFile:
 
             def __getitem__(self, box: Any) -> torch.Tensor:
                 block = header[box]
-                READS.setdefault(name, []).append(block.numel())
+                SLICE_READS.setdefault(name, []).append(block.numel())
                 return block
         return Slice()
 
@@ -107,6 +113,34 @@ class _RecordingFile:
 
 
 _SAFE_OPEN = safetensors.safe_open
+_PREADV = os.preadv
+
+
+def _recording_preadv(fd: int, buffers: Any, offset: int, *flags: int) -> int:
+    got = _PREADV(fd, buffers, offset, *flags)
+    PREADS.append((os.readlink(f"/proc/self/fd/{fd}"), offset, got))
+    return got
+
+
+def pread_elements(directory: Path) -> dict[str, list[int]]:
+    """Per tensor name: the elements of every ``os.preadv`` that fell in its bytes (each must stay
+    within one tensor's), placed by the safetensors headers of ``directory``."""
+    spans: dict[str, list[tuple[int, int, str, int]]] = {}
+    for file in directory.glob("*.safetensors"):
+        raw = file.read_bytes()
+        length = int.from_bytes(raw[:8], "little")
+        header = {k: v for k, v in json.loads(raw[8:8 + length]).items() if k != "__metadata__"}
+        spans[str(file.resolve())] = sorted((8 + length + v["data_offsets"][0], 8 + length + v["data_offsets"][1],
+                                             k, _ITEM_BYTES[v["dtype"]]) for k, v in header.items())
+    out: dict[str, list[int]] = {}
+    for path, offset, got in PREADS:
+        if path not in spans:
+            continue  # NOTE: safetensors' own header reads, not osdp's
+        file_spans = spans[path]
+        begin, end, name, item = file_spans[bisect.bisect_right(file_spans, (offset, float("inf"))) - 1]
+        assert begin <= offset and offset + got <= end, (name, offset, got)
+        out.setdefault(name, []).append(got // item)
+    return out
 
 
 class Record(L.Callback):
@@ -147,21 +181,23 @@ def main() -> None:
     with trainer.init_module(empty_init=args.meta):
         model = CausalLM()
     result: dict = {}
-    # NOTE: osdp imports safe_open when it reads, so every read goes through the recording one; put
+    # NOTE: osdp imports safe_open when it reads, so every read goes through the recording ones; put
     # back afterwards (the test's rank processes run other scripts after this one)
-    safetensors.safe_open = _RecordingFile
+    safetensors.safe_open, os.preadv = _RecordingFile, _recording_preadv
     try:
         trainer.fit(model, loader())
+        os.preadv = _PREADV
         trainer.save_checkpoint(args.ckpt)
         final = model_state(model, full=True)  # a collective: whole tensors on rank 0
         if trainer.global_rank == 0:
             torch.save(final, f"{args.out}.final.pt")
-        result = {"losses": record.losses, "first_batch": record.first_batch, "reads": READS, "held": record.held,
+        result = {"losses": record.losses, "first_batch": record.first_batch, "held": record.held,
+                  "reads": pread_elements(Path(args.pretrained)), "slice_reads": SLICE_READS,
                   "plan": {u.name: u.choice for u in strategy.plan.units}}
     except Exception as err:  # the test reads which error every rank raised
         result = {"error": f"{type(err).__name__}: {err}"}
     finally:
-        safetensors.safe_open = _SAFE_OPEN
+        safetensors.safe_open, os.preadv = _SAFE_OPEN, _PREADV
     rank = dist.get_rank() if dist.is_initialized() else 0
     Path(f"{args.out}.rank{rank}").write_text(json.dumps(result))
     if dist.is_initialized():
