@@ -12,13 +12,12 @@ resident high-water mark too), both ranks started at once (:mod:`benchmarks.laun
 - ``load``: ``model=hf_llama_110m`` (12 x 768 Llama, fp32 safetensors, 438 MB). Before each osdp
   launch, in a fresh process, ``AutoModelForCausalLM.from_pretrained(DIR)`` timed 3 times (median;
   the first call too), alone and followed by reading every weight once, the file put in the page
-  cache before each call. Then osdp-train ``meta_init=true model.pretrained=DIR`` at ``--budget`` (a
-  budget its DDP state does not fit) with ``MALLOC_MMAP_THRESHOLD_=65536`` as
-  docs/benchmarks/capacity/README.md measures memory, the file put in the page cache just before
-  the load (:mod:`benchmarks.pretrained_load_worker`; this VM pages out a file idle for a minute,
-  and the first launch solves the plan for minutes): the first launch solves the plan, the next
-  ``--repeats - 1`` train from it (``strategy.plan=``). One more launch from the plan loads from a
-  cold page cache, beside ``from_pretrained`` timed with the file's pages dropped before each call.
+  cache before each call as before osdp's load (this VM pages out a file idle for a minute, and
+  the first launch solves for minutes). osdp-train ``meta_init=true model.pretrained=DIR`` at
+  ``--budget`` (its DDP state does not fit) with ``MALLOC_MMAP_THRESHOLD_=65536`` as
+  docs/benchmarks/capacity/README.md measures memory: the first launch solves the plan, the next
+  ``--repeats - 1`` train from it (``strategy.plan=``), and one more loads from a cold page cache,
+  beside ``from_pretrained`` timed with the file's pages dropped before each call.
   The same plan built eagerly with ``from_pretrained`` on every rank, Lightning's ``ddp`` from the
   same directory, and a 1 x 16 Llama through each of those commands (the fixed cost: interpreter,
   torch, gloo, Lightning, transformers; and osdp's calibration where the plan is solved).
