@@ -17,8 +17,10 @@
    reduced in fp32) against FSDP2 written by hand with the same ``MixedPrecisionPolicy``, under the
    fake process group: peaks predicted and measured, bytes all-gathered per step (2 per element),
    step seconds (``benchmarks/gpu_precision.py``).
+4. **Compile.** ``OSDPStrategy(compile="units")`` against the same run uncompiled: per-step losses,
+   setup seconds with the compile time apart, tokens per second, the plan.
 
-    python -m benchmarks.gpu_check [--device cuda] [--layers 8 --hidden 1024] [--skip memory training bf16]
+    python -m benchmarks.gpu_check [--device cuda] [--layers 8 --hidden 1024] [--skip memory training bf16 compile]
 """
 
 from __future__ import annotations
@@ -202,6 +204,21 @@ def compare_single_device(args: argparse.Namespace, profile: ModelProfile) -> No
         rows.clear()
 
 
+def compare_compile(args: argparse.Namespace) -> None:
+    """osdp with every unit compiled against osdp uncompiled, one device; one table row per run."""
+    print(f"compile: one {args.device} device, {args.steps} steps, GPT {args.layers} x {args.hidden}, "
+          f"{args.seq} tokens, micro-batch {args.batch}\n\n| run | max rel. loss diff | setup s | compile s | "
+          "tokens/s | plan |\n|---|---:|---:|---:|---:|---|", flush=True)
+    ref: list[float] = []
+    for name, strategy in (("osdp", OSDPStrategy()), ('osdp, compile="units"', OSDPStrategy(compile="units"))):
+        run = train(args, strategy)
+        ref = ref or run["losses"]
+        diff = max(abs(a - b) / max(abs(a), 1e-8) for a, b in zip(ref, run["losses"], strict=True))
+        setup = strategy.setup_s
+        print(f"| {name} | {diff:.2e} | {sum(setup.values()):.1f} | {setup.get('compile_s', 0.0):.1f} | "
+              f"{run['summary']['tokens_per_s']:.0f} | {run['plan'].choices_text()} |", flush=True)
+
+
 def _release(device: torch.device) -> None:
     """Free what earlier runs left before the next is measured.
 
@@ -224,7 +241,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 8])
-    parser.add_argument("--skip", nargs="*", choices=("memory", "training", "bf16"), default=[])
+    parser.add_argument("--skip", nargs="*", choices=("memory", "training", "bf16", "compile"), default=[])
     args = parser.parse_args()
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -243,6 +260,9 @@ def main() -> None:
     if "training" not in args.skip:
         print()
         compare_single_device(args, found["whole"])
+    if "compile" not in args.skip:
+        print()
+        compare_compile(args)
 
 
 if __name__ == "__main__":

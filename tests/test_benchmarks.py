@@ -204,7 +204,7 @@ def test_gpu_check_runs_on_cpu() -> None:
     """The GPU check's dry run here (a GPU is lent rarely, and its minutes must not go on a script
     that no longer runs): every plan of both profiles measured at 2 fake ranks, and one-device
     Trainer runs where osdp, also checkpointing, has Lightning ddp's losses; bf16-mixed plans and
-    FSDP2 by hand with the same policy under the fake process group."""
+    FSDP2 by hand with the same policy under the fake process group; compiled units train as eager ones."""
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--layers", "2",
                            "--hidden", "128", "--seq", "64", "--batch", "4", "--steps", "3", "--worlds", "2"],
                           cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
@@ -223,3 +223,5 @@ def test_gpu_check_runs_on_cpu() -> None:
     bf16 = {r[2]: r for r in rows if r[0] == "bf16-mixed"}
     assert set(bf16) == {"hand FSDP2 (bf16 policy)", "osdp zero3", "osdp ilp: replicate..zero3"}, bf16
     assert all(r[8] == "2" and int(r[7]) > 0 for r in bf16.values())
+    compiled = next(r for r in rows if r[0] == 'osdp, compile="units"')
+    assert float(compiled[1]) <= 1e-4 and float(compiled[3]) > 0, compiled

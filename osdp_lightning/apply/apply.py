@@ -7,6 +7,8 @@ deadlock the first collective):
    plus a 2-D (W/g, g) mesh for each group size g of the plan's ``hsdp(g=G)`` choices;
 2. apply every unit's choice in plan order (its family's module in ``osdp_lightning/choices/``
    says how: ``fully_shard`` arguments, or a transform such as ``split(k, j)``'s SplitLinear);
+   with ``compile="units"``, each unit's ``torch.compile`` comes after its ``+ckpt`` and before its
+   ``fully_shard`` (``osdp_lightning/runtime/compile.py``);
 3. apply the root's choice last: it takes every parameter no unit owns;
 4. run every family's ``finish`` hook, then (once every rank got this far) its ``connect`` hook:
    replicate's builds one DDP reducer for every replicated parameter (``osdp_lightning/runtime/replicate.py``;
@@ -51,7 +53,8 @@ def with_group_meshes(meshes: Meshes, plan: Plan) -> Meshes:
 
 
 def apply_plan(model: nn.Module, root: nn.Module, plan: Plan, meshes: Meshes,
-               mp_policy: MixedPrecisionPolicy | None = None, build_reducer: bool = True) -> None:
+               mp_policy: MixedPrecisionPolicy | None = None, build_reducer: bool = True,
+               compile: str | None = None) -> None:
     """Apply ``plan`` in place: units live inside ``model``; ``root`` is the outermost module.
 
     Sharded units run under ``mp_policy``, by default the policy the plan was priced for
@@ -62,7 +65,8 @@ def apply_plan(model: nn.Module, root: nn.Module, plan: Plan, meshes: Meshes,
     wrapper dispatches to ``training_step``); FSDP2 makes the first module to run forward the root.
     ``build_reducer=False`` leaves out the one step that talks to the other ranks (DDP's reducer
     checks the replicated parameters with a collective): the caller first makes sure every rank got
-    this far, then calls :func:`connect_plan`.
+    this far, then calls :func:`connect_plan`. ``compile="units"`` compiles every unit but the
+    root (its forward is the whole step) and the leaves.
     """
     release_at_exit()  # what holds the group is freed before finalization (shutdown.py)
     policy = mp_policy or plan_precision(plan).policy()
@@ -70,7 +74,7 @@ def apply_plan(model: nn.Module, root: nn.Module, plan: Plan, meshes: Meshes,
     meshes = with_group_meshes(meshes, plan)
     for unit in plan.units:
         if unit.name != ROOT:
-            apply_choice(model, unit.module_names, unit.choice, meshes, policy)
+            apply_choice(model, unit.module_names, unit.choice, meshes, policy, compile_unit=compile == "units")
     apply_choice(root, (ROOT,), plan.choice_of(ROOT), meshes, root_policy)
     # What a family does once for the whole plan (replicated units and slices were only marked).
     for family in REGISTRY.families.values():

@@ -34,6 +34,7 @@ from osdp_lightning.choices.base import (
 from osdp_lightning.choices.groups import hsdp_choice, zero3_reshard_choice
 from osdp_lightning.choices.split import choice as split_choice
 from osdp_lightning.cost.aliases import ALIASES, BASELINES
+from osdp_lightning.runtime import compile as runtime_compile
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -84,11 +85,16 @@ def is_allowed(unit: UnitProfile, choice: Choice | str, ctx: CostContext) -> boo
 
 
 def apply_choice(model: nn.Module, module_names: tuple[str, ...], choice: Choice | str, meshes: Meshes,
-                 mp_policy: MixedPrecisionPolicy) -> None:
-    """Apply ``choice`` to a unit: modifiers' transforms first, then the family's own apply."""
+                 mp_policy: MixedPrecisionPolicy, compile_unit: bool = False) -> None:
+    """Apply ``choice`` to a unit: modifiers' transforms first (``+ckpt``), then with ``compile_unit``
+    ``torch.compile`` of its modules (:mod:`osdp_lightning.runtime.compile`; leaves stay eager), then
+    the family's own apply (``fully_shard``, split)."""
     choice = as_choice(choice)
     for name in choice.modifiers:
         REGISTRY.modifiers[name].apply(model, module_names, choice, meshes, mp_policy)
+    if compile_unit:
+        for module_name in module_names:
+            runtime_compile.compile_unit(model.get_submodule(module_name), module_name)
     family_of(choice).apply(model, module_names, choice.base, meshes, mp_policy)
 
 

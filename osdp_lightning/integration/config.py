@@ -27,6 +27,7 @@ from osdp_lightning.plan.plan import Plan
 from osdp_lightning.plan.planner import check_choice_options
 from osdp_lightning.profiling.precision import sharded_precision
 from osdp_lightning.profiling.units import DEFAULT_MIN_UNIT_PARAMS
+from osdp_lightning.runtime.compile import check_compile
 from osdp_lightning.state.pretrained import PretrainedWeights
 
 
@@ -80,6 +81,12 @@ class OSDPConfig:
     torchtitan's default, or ``"bfloat16"``, half the bytes at bf16's rounding of the sum.
     Replicated units all-reduce fp32 gradients (DDP's reducer); other precisions reduce in the
     parameters' dtype."""
+    compile: Literal["units"] | None = None
+    """``"units"``: ``torch.compile`` each plan unit (blocks; leaves such as a Linear or an Embedding
+    stay eager) after its checkpointing and before its sharding, as torchtitan does per block;
+    profiling then measures the compiled units, each kind compiled once (setup's ``compile`` time).
+    A unit that cannot be compiled runs uncompiled, with a warning naming it
+    (:mod:`osdp_lightning.runtime.compile`). ``None``: off."""
     pretrained: str | Path | PretrainedWeights | None = None
     """Weights to start from, loaded once the plan is applied: a Hugging Face model directory, a
     ``.safetensors`` file, a ``torch.save`` state dict, or :class:`PretrainedWeights` (key prefix,
@@ -95,6 +102,7 @@ class OSDPConfig:
         fix("uniform_choice", check_uniform_choice(self.uniform_choice))
         fix("split_factors", check_split_factors(self.split_factors))
         fix("headroom", check_headroom(self.headroom))
+        check_compile(self.compile)
         sharded_precision("bf16-mixed", self.reduce_dtype)  # raises, naming the accepted dtypes
         if isinstance(self.pretrained, (str, Path)):
             fix("pretrained", PretrainedWeights(str(self.pretrained)))

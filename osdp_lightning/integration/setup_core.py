@@ -58,6 +58,13 @@ from osdp_lightning.profiling.materialize import has_meta_tensors, materialize
 from osdp_lightning.profiling.precision import check_plan_precision
 from osdp_lightning.profiling.profile import is_profiling
 from osdp_lightning.profiling.records import ModelProfile
+from osdp_lightning.profiling.units import select_units
+from osdp_lightning.runtime.compile import (
+    compile_seconds,
+    compile_unit,
+    compiled_once,
+    recompile_user_compiled,
+)
 from osdp_lightning.runtime.faults import all_ranks_succeed, broadcast_object, portable_error
 from osdp_lightning.runtime.meshes import Meshes, build_meshes
 from osdp_lightning.state.pretrained import load_pretrained
@@ -110,6 +117,7 @@ class ConfigOptions:
     headroom = ConfigField()
     calibration_cache = ConfigField()
     pretrained = ConfigField()
+    compile = ConfigField()
 
     @property
     def memory_budget(self) -> MemoryBudget | None:
@@ -192,6 +200,8 @@ class OSDPSetup:
         self.setup_s: dict[str, float] = {}
         """Seconds spent at setup: calibrate, profile, solve, apply (rank 0's figures)."""
         self._fragmentation: float | None = None
+        self.compile_s = 0.0
+        """Seconds this rank spent compiling units while profiling (``compile="units"``)."""
 
     # -- 1. whole or from shapes --------------------------------------------------------------
     def decide_whole_profile(self, module: nn.Module) -> bool:
@@ -233,8 +243,26 @@ class OSDPSetup:
             self.plan = given
             return given
         self.calibrate(step.optimizer)
-        self.profile, self.plan = self._on_rank_zero(lambda: self._profile_and_solve(module, step))
+        self.compile_for_profile(module)
+        start_s = compile_seconds()
+        with compiled_once():  # NOTE: each kind of unit compiles in the profile's first step, and only there
+            self.profile, self.plan = self._on_rank_zero(lambda: self._profile_and_solve(module, step))
+        self.compile_s = compile_seconds() - start_s
         return self.plan
+
+    def compile_for_profile(self, module: nn.Module) -> None:
+        """Units compiled as the plan will run them (``compile="units"``), and any module the user
+        compiled in place compiled the same way, so that profiling measures compiled code and
+        recompiles nothing per profiled step (:mod:`osdp_lightning.runtime.compile`)."""
+        user = recompile_user_compiled(module)
+        if user:
+            rank_zero_info(f"osdp: modules compiled with .compile() run their hooks outside the graph: {user}")
+        if self.config.compile != "units":
+            return
+        config = self.config
+        for spec in select_units(module, config.unit_module_types, config.unit_name_patterns, config.min_unit_params):
+            for name in spec.module_names:
+                compile_unit(module.get_submodule(name), name)
 
     def calibrate(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Collective timings, node links and step terms; every rank, rank 0's figures (or its cache) on all."""
@@ -345,7 +373,7 @@ class OSDPSetup:
         template = build_meta_module(module) if has_meta_tensors(module) else None
         seed = broadcast_object(int(torch.randint(2**62, ()).item())) if template is not None else 0
         with all_ranks_succeed("applying the osdp plan"):  # no rank waits for a failed one
-            apply_plan(module, root, plan, self.meshes, build_reducer=False)
+            apply_plan(module, root, plan, self.meshes, build_reducer=False, compile=self.config.compile)
             if template is not None:
                 materialize(root, module, template, [u.module_names for u in plan.units], device, seed)
             elif not self.profile_whole:
@@ -356,8 +384,13 @@ class OSDPSetup:
         self.setup_s = {
             "calibrate_s": (self.timings.calibrate_s if self.timings else 0.0)
             + (self.step_terms.calibrate_s if self.step_terms else 0.0),
-            "profile_s": plan.profile_s, "solve_s": plan.solve_s, "apply_s": time.perf_counter() - start}
+            "profile_s": max(plan.profile_s - self.compile_s, 0.0), **self._compile_breakdown(),
+            "solve_s": plan.solve_s, "apply_s": time.perf_counter() - start}
         rank_zero_info("osdp setup: " + ", ".join(f"{k[:-2]} {v:.3f} s" for k, v in self.setup_s.items()))
+
+    def _compile_breakdown(self) -> dict[str, float]:
+        """Setup's compile seconds (rank 0's, within profiling), where anything was compiled."""
+        return {"compile_s": self.compile_s} if self.config.compile or self.compile_s else {}
 
     def release_process_groups(self) -> None:
         """Drop the meshes (they hold process groups); see :mod:`osdp_lightning.runtime.shutdown`."""

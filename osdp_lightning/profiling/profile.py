@@ -22,6 +22,7 @@ from osdp_lightning.profiling.forward_rise import forward_rises
 from osdp_lightning.profiling.recorder import StepRecorder
 from osdp_lightning.profiling.records import UnitProfile, with_measured_parts
 from osdp_lightning.profiling.units import ROOT, UnitSpec, owned_params
+from osdp_lightning.runtime.compile import is_compiled
 from osdp_lightning.runtime.guards import preserved_state
 
 
@@ -87,7 +88,9 @@ def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
     backward and forward rises (a caller that has its bytes from elsewhere; on CPU, ``MemTracker``
     keeps the tensors of the step it tracked alive).
     """
-    nested = [*specs, *(part for s in specs for part in s.parts)]  # a block and its parts: one run
+    # A block and its parts: one run. NOTE: a compiled unit runs as one graph: its parts have no
+    # time of their own, and hooks inside it would recompile it at every step.
+    nested = [*specs, *(part for s in specs if not _is_compiled_unit(root, s) for part in s.parts)]
     with preserved_state(root):
         warmup = _measure_step(root, nested, run_loss, device)  # also: allocator, lazy init, caches
         root.zero_grad(set_to_none=True)
@@ -113,6 +116,10 @@ def measure_units(root: nn.Module, specs: list[UnitSpec], run_loss: Callable[[],
     units.append(_unit_profile(ROOT, (ROOT,), owned[ROOT], root, samples, {}, None))
     activation_bytes = max(sum(first.saved_bytes.values()), peak_bytes)
     return units, activation_bytes, statistics.median(s.step_s for s in samples)
+
+
+def _is_compiled_unit(root: nn.Module, spec: UnitSpec) -> bool:
+    return any(is_compiled(root.get_submodule(name)) for name in spec.module_names if name != ROOT)
 
 
 def _rescaled_to_free_steps(samples: list[_StepSample], root: nn.Module, run_loss: Callable[[], torch.Tensor],

@@ -51,6 +51,7 @@ def main() -> None:
                         help="Adam(foreach=True): the multi-tensor step, a GPU's default")
     parser.add_argument("--keep-process-group", action="store_true",
                         help="end without destroy_process_group(), as many user scripts do")
+    parser.add_argument("--compile", default=None, help="OSDPStrategy(compile=...): units")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -64,7 +65,7 @@ def main() -> None:
         plan = _hand_made_plan(model, args.devices, args.choices) if args.choices else args.plan
         strategy = OSDPStrategy(memory_budget=args.budget, uniform_choice=args.uniform, plan=plan,
                                 split_factors=factors, micro_batch_size=micro,
-                                activation_checkpointing=args.activation_checkpointing)
+                                activation_checkpointing=args.activation_checkpointing, compile=args.compile)
     else:
         strategy = hand_layout_strategy(args.devices) if args.strategy == "hand" else args.strategy
     summary = TrainingSummary()
@@ -81,7 +82,8 @@ def main() -> None:
               "grad_norms": norms.norms, "step_calls": model.step_calls,
               "reductions_per_batch": counter.per_batch, "gathered_bytes_per_batch": counter.gathered_per_batch,
               "gathered_elements_per_batch": counter.gathered_elements_per_batch,
-              "threads": torch.get_num_threads()}
+              "threads": torch.get_num_threads(), "setup_s": getattr(trainer.strategy, "setup_s", {}),
+              "compiled_units": _compiled_units(trainer.strategy.model)}
     reducer = replicate_reducer(trainer.strategy.model) if args.strategy == "osdp" else None
     result["replicated_params"] = len(reducer.params) if reducer is not None else 0  # on DDP's reducer
     plan = getattr(trainer.strategy, "_plan", None)
@@ -173,6 +175,11 @@ def _hand_made_plan(model: L.LightningModule, world_size: int, choices: str) -> 
         units = tuple(dataclasses.replace(u, choice=c) for u, c in zip(plan.units, assignment, strict=True))
         return dataclasses.replace(plan, units=units, source=f"hand-made (peak not priced: {err})",
                                    predicted_peak_bytes=0)
+
+
+def _compiled_units(model: torch.nn.Module) -> list[str]:
+    from osdp_lightning.runtime.compile import is_compiled
+    return [name for name, module in model.named_modules() if is_compiled(module)]
 
 
 def _number(text: str) -> int | float:
