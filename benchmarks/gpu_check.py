@@ -42,6 +42,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from osdp_lightning import ClusterSpec, OSDPStrategy, TrainingSummary, format_bytes, make_plan
 from osdp_lightning.apply.apply import apply_plan, step_groups_apart
+from osdp_lightning.choices import BASE_CHOICES
 from osdp_lightning.integration.strategy import RootWrapper
 from osdp_lightning.plan.pipeline import ProfileOptions, profile_model
 from osdp_lightning.plan.plan import InfeasibleBudgetError, Plan
@@ -91,7 +92,8 @@ def plans_for(profile: ModelProfile, world: int) -> dict[str, Plan]:
                          "ilp: zero3..ckpt": ("zero3", "zero3+ckpt")}.items():
         budget = (plans[a].predicted_peak_bytes + plans[b].predicted_peak_bytes) // 2
         try:
-            plans[name] = make_plan(profile, cluster(budget))
+            # NOTE: both ends' choices: below uniform zero3 only a plan that checkpoints some units fits
+            plans[name] = make_plan(profile, cluster(budget), choices=(*BASE_CHOICES, b))
         except InfeasibleBudgetError as err:
             print(f"{name}: {err}")
     return plans

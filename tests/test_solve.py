@@ -101,7 +101,8 @@ def evaluate(table: ChoiceTable, combo: tuple[ChoiceCost, ...], pair_term: bool 
     buffer of the nearest unit before it that gathers), the end of its forward (live bytes up to it
     and its forward bytes less those it holds to backward, when it has forward bytes; not for a unit
     that spans the step) and backward moment (live bytes up to it, its
-    transient, the backward gather of the nearest gathering unit on either side, the largest
+    transient, the backward gather of the nearest gathering unit before it (on either side for a
+    unit that spans the step: its backward runs elsewhere in the order), the largest
     reduce-scatter input of the units after it that do not span the step, less the sharded
     gradients of the units up to it and of those spanning the step); units that span the step are
     alive in every moment and see every unit in theirs, with no reduce-scatter input and nothing
@@ -126,8 +127,8 @@ def evaluate(table: ChoiceTable, combo: tuple[ChoiceCost, ...], pair_term: bool 
     moments = []
     for u in range(n):
         before = nearest_gathering(range(u - 1, -1, -1), held) if pair_term else 0
-        beside = max(nearest_gathering(range(u - 1, -1, -1), regathered),
-                     nearest_gathering(range(u + 1, n), regathered)) if pair_term else 0
+        sides = [range(u - 1, -1, -1), *([range(u + 1, n)] if spans[u] else [])]  # the unit after u is resharded
+        beside = max(nearest_gathering(side, regathered) for side in sides) if pair_term else 0
         reduced = max((reduces[v] for v in range(u + 1, n)), default=0) if pair_term else 0
         not_made = sum(combo[v].late_grad_bytes for v in range(n) if spans[v] or v <= u)
         extra = 0 if spans[u] else reduced - not_made
@@ -523,16 +524,21 @@ def test_next_best_solutions_are_the_k_best(seed: int) -> None:
         assert solution.step_s == pytest.approx(step, rel=REL_TOL)
 
 
-def test_prefetch_bytes_enter_the_pair_term_in_both_orders() -> None:
-    """A running unit's whole transient coexists with its neighbour's prefetched part only."""
+def test_a_backward_runs_beside_the_prefetched_gather_of_the_unit_before_it_only() -> None:
+    """A running unit's whole transient coexists with the prefetched part of the unit before it in
+    forward order (FSDP2 prefetches it in backward); the unit after it has resharded by then."""
     from osdp_lightning.cost.cost import ChoiceCost, ChoiceTable, UnitCosts
 
     def unit(name: str, transient: int, prefetch: int) -> UnitCosts:
         return UnitCosts(name, (ChoiceCost("zero3", 10, 0, transient, 1.0, 0.0, prefetch_bytes=prefetch),), 0.0)
 
-    table = ChoiceTable((unit("a", 100, 40), unit("b", 70, 60)), activation_bytes=0, fixed_bytes=0,
-                        micro_batch_size=1)
-    # max(a runs + b prefetched, b runs + a prefetched) = max(100 + 60, 70 + 40)
-    assert peak_bytes(table, ["zero3", "zero3"]) == 20 + 160
-    assert solve_choice_table(table, 180).feasible
-    assert not solve_choice_table(table, 179).feasible
+    def table(*units: UnitCosts) -> ChoiceTable:
+        return ChoiceTable(units, activation_bytes=0, fixed_bytes=0, micro_batch_size=1)
+
+    first_large, last_large = table(unit("a", 100, 40), unit("b", 70, 60)), table(unit("b", 70, 60), unit("a", 100, 40))
+    # a first: max(a runs alone, b runs + a prefetched) = max(100, 70 + 40); a last: a runs + b prefetched
+    assert peak_bytes(first_large, ["zero3", "zero3"]) == 20 + 110
+    assert peak_bytes(last_large, ["zero3", "zero3"]) == 20 + 160
+    for plan, peak in ((first_large, 130), (last_large, 180)):
+        assert solve_choice_table(plan, peak).feasible
+        assert not solve_choice_table(plan, peak - 1).feasible

@@ -91,20 +91,22 @@ def moment_peak(parts: tuple[list[int], ...], spans: list[bool], through: bool =
     At unit ``u``'s forward: the live bytes (held parameters, activations) of the units before it,
     its own forward bytes and the buffer of the nearest unit before it that all-gathers, or, when
     its forward ends, the live bytes up to it and its own bytes still gathered (``end``); at its
-    backward: the live bytes up to it and its transient beside that buffer or the one of the
-    nearest unit after it, plus a reduce-scatter input (:func:`reduced_after`), less the sharded
+    backward: the live bytes up to it and its transient beside the backward gather of the nearest
+    unit before it, plus a reduce-scatter input (:func:`reduced_after`), less the sharded
     gradients (``late``) of the units up to it and of those spanning the step: not made yet, as
     Lightning sets the gradients to ``None`` between forward and backward. Units after ``u`` have
-    not run yet (forward) or are through backward (backward). A unit that ``spans`` the step
-    counts in every moment, and its own moments count every unit (alive only before the first
-    reduce-scatter: none is added) and give back nothing. ``parts``: the lists of
-    :func:`parts_of` (bounds pass each unit's least, and its most ``late``).
+    not run yet (forward) or are through backward and resharded, their gathers freed (backward).
+    A unit that ``spans`` the step counts in every moment, and its own moments count every unit
+    (alive only before the first reduce-scatter: none is added) and the backward gather on either
+    side of it, and give back nothing. ``parts``: the lists of :func:`parts_of` (bounds pass each
+    unit's least, and its most ``late``).
 
-    FSDP2 keeps the last forward all-gather's buffer until the next one (``prefetch``) and
-    prefetches the next all-gather in backward (``backward_prefetch``; zero2 gathers nothing
-    then): units that gather nothing (replicated, on DDP's reducer) end neither, so a replicated
-    run between two sharded units leaves the far one's buffer alive (measured with
-    FSDPMemTracker, docs/design.md section 4). ``through=False``: neighbours only (a lower bound).
+    FSDP2 keeps the last forward all-gather's buffer until the next one (``prefetch``) and, once a
+    unit's backward starts, prefetches the all-gather of the unit before it in forward order
+    (``backward_prefetch``; zero2 gathers nothing then): units that gather nothing (replicated, on
+    DDP's reducer) end neither, so a replicated run between two sharded units leaves the far
+    one's buffer alive (measured with FSDPMemTracker, docs/design.md section 4).
+    ``through=False``: neighbours only (a lower bound).
     """
     return max((max(moment) for moment in _moments(parts, spans, through)), default=0)
 
@@ -124,8 +126,11 @@ def _moments(parts: tuple[list[int], ...], spans: list[bool], through: bool = Tr
         upto = total if spanning else below + live[u]
         absent = absent if spanning else absent + late[u]
         start = (total if spanning else below) + forward[u] + buffer[u]
+        # NOTE: the unit after u in forward order ran its backward and resharded before u's started;
+        # a spanning unit's backward runs at another place in the order than its forward.
+        beside = max(before[u], after[u]) if spanning else before[u]
         moments.append((start if spanning else max(start, upto + end[u]),
-                        upto + transients[u] + max(before[u], after[u]) + (0 if spanning else reduced[u] - absent)))
+                        upto + transients[u] + beside + (0 if spanning else reduced[u] - absent)))
         below = below if spanning else upto
     return moments
 

@@ -6,16 +6,17 @@
   every unit's forward and backward moments (:func:`~osdp_lightning.solve.evaluate.moment_peak`)
   *less* the live bytes of all units, since each moment's row gives back those not alive there:
   ``T >= forward[u] + Cf[u-1] - live[u] - S[u]`` (forward), ``T >= end[u] - S[u]`` (the end of its
-  forward, its parameters still gathered) and ``T >= transient[u] + Cb[u-1] - S[u]``,
-  ``T >= transient[u] + Ca[u+1] - S[u]`` (backward), where ``S[u] <= S[next] + live[next]`` sums the
-  units after ``u`` (units that span the step are never given back), and ``T >= optimizer - activations
-  - sum(live)`` (the optimizer step: no unit's live bytes are alive then). The memory row stays one
-  knapsack row over every binary, which solvers cut well; a running sum in every row instead was
-  5-25x slower. ``Cf[u]`` is the forward all-gather buffer (``prefetch``) of the nearest unit at or
-  before ``u`` that all-gathers, ``Cb[u]`` / ``Ca[u]`` the backward gather (``backward_prefetch``)
-  of the nearest one before / after: FSDP2 keeps the last all-gather's buffer until the next
-  (forward) and prefetches the next (backward), and replicated units between do neither
-  (``_carry_variables``; ``C >= pf[u]``, ``C >= C[prev] - M * gathers[u]``);
+  forward, its parameters still gathered) and ``T >= transient[u] + Cb[u-1] - S[u]`` (backward; a
+  unit that spans the step also ``T >= transient[u] + Ca[u+1] - S[u]``), where
+  ``S[u] <= S[next] + live[next]`` sums the units after ``u`` (units that span the step are never
+  given back), and ``T >= optimizer - activations - sum(live)`` (the optimizer step: no unit's live
+  bytes are alive then). The memory row stays one knapsack row over every binary, which solvers
+  cut well; a running sum in every row instead was 5-25x slower. ``Cf[u]`` is the forward
+  all-gather buffer (``prefetch``) of the nearest unit at or before ``u`` that all-gathers,
+  ``Cb[u]`` / ``Ca[u]`` the backward gather (``backward_prefetch``) of the nearest one before /
+  after: FSDP2 keeps the last all-gather's buffer until the next (forward), prefetches the one of
+  the unit before in backward (the unit after is resharded by then), and replicated units between
+  do neither (``_carry_variables``; ``C >= pf[u]``, ``C >= C[prev] - M * gathers[u]``);
 - minimise ``fixed_step_s + sum(compute + optimizer + overhead) x + sum_u e[u]`` with
   ``e[u] = max(exposed[u,c], comm[u,c] - overlap[u])`` of the chosen ``c`` (``exposed``: the latency
   no overlap hides). Because exactly one ``x[u,c]`` is 1, that max is the linear term
@@ -64,8 +65,8 @@ _MAX_SCALED = 1e7
 _SLACK_RELATIVE = 1e-9
 _FORWARD, _BEFORE, _AFTER, _REDUCE = "f", "b", "a", "r"
 """Tags of the carry variables (``Cf_u``: forward buffers from before; ``Cb_u`` / ``Ca_u``: backward
-gathers from before / after; ``Cr_u``: the reduce-scatter input from after): the solver's seed sets
-them by name."""
+gathers from before / after, the latter only beside units that span the step; ``Cr_u``: the
+reduce-scatter input from after): the solver's seed sets them by name."""
 
 
 @dataclass(frozen=True)
@@ -254,16 +255,17 @@ def _peak_rows(problem: pulp.LpProblem, peak_t: pulp.LpVariable, variables: list
                sizes: dict[str, list[_Level]], scale: int, carry: bool, spans: list[bool]) -> list[pulp.LpVariable]:
     """``T >=`` each unit's forward moment (its forward bytes, the forward buffer before it, less
     the live bytes not alive there), the end of its forward (its bytes still gathered, less the
-    live bytes of the units after it) and backward moment (its transient, the backward gather beside
-    it on either side and the reduce-scatter input after it, less the same and the sharded
-    gradients not made yet), buffers carried from the nearest unit that gathers (``carry``) or its
-    neighbour's own; the carry variables. ``T`` is the peak less every unit's live bytes, which
-    the memory row counts."""
+    live bytes of the units after it) and backward moment (its transient, the backward gather of
+    the unit before it (on either side, for a unit that spans the step) and the reduce-scatter
+    input after it, less the same and the sharded gradients not made yet), buffers carried from
+    the nearest unit that gathers (``carry``) or its neighbour's own; the carry variables. ``T`` is
+    the peak less every unit's live bytes, which the memory row counts."""
     reduce = [(0, []) if spanning else level for level, spanning in zip(sizes["reduce"], spans, strict=True)]
+    chained = ((_FORWARD, "prefetch", False), (_BEFORE, "backward", False),
+               *([(_AFTER, "backward", True)] if any(spans[:-1]) else []))  # NOTE: only spanning units read Ca
     if carry:
         chains = {tag: _carry_variables(problem, variables, sizes[size], MEMORY_PARTS[size], scale, tag, reverse)
-                  for tag, size, reverse in ((_FORWARD, "prefetch", False), (_BEFORE, "backward", False),
-                                             (_AFTER, "backward", True))}
+                  for tag, size, reverse in chained}
         chains[_REDUCE] = _suffix_max_variables(problem, reduce, scale, _REDUCE)
         carried = {tag: [(0, [(c, -1.0)]) for c in chain] for tag, chain in chains.items()}
     else:
@@ -271,8 +273,10 @@ def _peak_rows(problem: pulp.LpProblem, peak_t: pulp.LpVariable, variables: list
                                _REDUCE: reduce}
     empty: _Level = (0, [])
     for u, (below, upto, late) in enumerate(levels):  # NOTE: what is not alive at the forward / backward
-        sides = [(tag, carried[tag][u + step]) for tag, step in ((_BEFORE, -1), (_AFTER, 1))
-                 if 0 <= u + step < len(levels)] or [("single", empty)]
+        # NOTE: in u's backward the unit after it is resharded; a spanning unit's backward runs
+        # elsewhere in the order than its forward
+        steps = ((_BEFORE, -1), (_AFTER, 1)) if spans[u] else ((_BEFORE, -1),)
+        sides = [(tag, carried[tag][u + step]) for tag, step in steps if 0 <= u + step < len(levels)] or [("single", empty)]
         reduced = carried[_REDUCE][u + 1] if u + 1 < len(levels) and not spans[u] else empty
         moments = [("w", (below,), sizes["forward"][u], carried[_FORWARD][u - 1] if u else empty),
                    *([] if spans[u] else [("e", (upto,), sizes["end"][u], empty)]),

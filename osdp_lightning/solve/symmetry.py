@@ -26,8 +26,9 @@ _Term = tuple[int, str, int, tuple[str, int], bool]
 """Bytes of one moment besides what both orders share: ``constant + value(kind, k)`` plus the
 reduce-scatter input beside it (``("k", bytes)``; ``("R", 0)``: the largest after the pair;
 ``("R|k", bytes)``: the larger of the two),
-the kind telling what the rest of the plan adds (:func:`_values`), and whether it is a backward
-moment (less the sharded gradients the units before the pair give back)."""
+the kind telling what the rest of the plan adds (``X``: the forward buffer from before the pair,
+``A``: the backward gather from before it, ``k``: nothing but ``k``; :func:`_value`), and whether it
+is a backward moment (less the sharded gradients the units before the pair give back)."""
 
 
 def forbidden_orders(table: ChoiceTable, candidates: Sequence[Sequence[ChoiceCost]], carry: bool) -> Forbidden:
@@ -78,45 +79,31 @@ def _neutral(c: ChoiceCost, d: ChoiceCost, carry: bool) -> bool:
 def _moments(first: ChoiceCost, second: ChoiceCost, carry: bool) -> list[_Term]:
     """The two units' forward (start and end) and backward moments with ``first`` at ``u`` and ``second`` after it,
     less the live bytes before ``u`` and plus the sharded gradients of the units before it: ``X``
-    is the forward buffer from before ``u``, ``A`` / ``Z`` the backward gathers from before ``u`` /
-    after ``u + 1``, ``R`` the reduce-scatter input from after ``u + 1`` (0 where there is no such
-    unit)."""
+    is the forward buffer from before ``u``, ``A`` the backward gather from before ``u`` (a unit's
+    backward sees the gather of the unit before it only), ``R`` the reduce-scatter input from
+    after ``u + 1`` (0 where there is no such unit)."""
     def passed(own: int, other: str) -> tuple[str, int]:
         return (other, 0) if carry and own == 0 else ("k", own)
     forward_buffer = passed(first.prefetch, "X")
-    after_first = passed(second.backward_prefetch, "Z")  # the backward gather beside ``first``
-    before_second = passed(first.backward_prefetch, "A")
+    before_second = passed(first.backward_prefetch, "A")  # the backward gather beside ``second``
     late = first.late_grad_bytes  # NOTE: given back at a backward: the unit's own and those before
     none = ("k", 0)
     return [(first.forward_peak_bytes, "X", 0, none, False),
             (first.live_bytes + first.forward_end_bytes, "k", 0, none, False),
             (first.live_bytes + second.live_bytes + second.forward_end_bytes, "k", 0, none, False),
-            (first.live_bytes + first.transient_bytes - late, *_beside("A", after_first),
+            (first.live_bytes + first.transient_bytes - late, "A", 0,
              ("R|k" if carry else "k", second.reduce_bytes), True),
             (first.live_bytes + second.forward_peak_bytes, *forward_buffer, none, False),
             (first.live_bytes + second.live_bytes + second.transient_bytes - late - second.late_grad_bytes,
-             *_beside(before_second, "Z"), ("R", 0), True)]
+             *before_second, ("R", 0), True)]
 
 
-def _beside(left: str | tuple[str, int], right: str | tuple[str, int]) -> tuple[str, int]:
-    """``max(left, right)`` as one kind: ``A|k``, ``k|Z``, ``A|Z``, or the constant ``k``."""
-    sides = [side if isinstance(side, tuple) else (side, 0) for side in (left, right)]
-    kinds = [kind for kind, _ in sides]
-    known = max(k for _, k in sides)
-    return ("k", known) if kinds == ["k", "k"] else ("|".join(kinds), known)
-
-
-def _values(kind: str, k: int, x: int, a: int, z: int) -> int:
-    """What the rest of the plan adds to a term of ``kind`` at buffers ``x``, ``a``, ``z``."""
-    return {"X": x, "k": k, "A|k": max(a, k), "k|Z": max(k, z), "A|Z": max(a, z)}[kind]
-
-
-def _value(term: _Term, x: int, a: int, z: int, r: int, g: int) -> int:
-    """A term's bytes at buffers ``x``, ``a``, ``z``, reduce-scatter input ``r`` from after the pair
-    and sharded gradients ``g`` given back before it."""
+def _value(term: _Term, x: int, a: int, r: int, g: int) -> int:
+    """A term's bytes at buffers ``x``, ``a``, reduce-scatter input ``r`` from after the pair and
+    sharded gradients ``g`` given back before it."""
     constant, kind, k, (reduce_kind, reduce), backward = term
     extra = {"R": r, "k": reduce, "R|k": max(r, reduce)}[reduce_kind]
-    return constant + _values(kind, k, x, a, z) + extra - (g if backward else 0)
+    return constant + {"X": x, "A": a, "k": k}[kind] + extra - (g if backward else 0)
 
 
 def _first_is_no_worse(c: ChoiceCost, d: ChoiceCost, reach: tuple[int, ...], carry: bool) -> bool:
@@ -128,7 +115,7 @@ def _first_is_no_worse(c: ChoiceCost, d: ChoiceCost, reach: tuple[int, ...], car
     xs = (0, reach[0])
     az = sorted({0, reach[1], *(k for k in ks if k <= reach[1])})
     rs = sorted({0, reach[2], *(term[3][1] for term in ours + theirs if term[3][1] <= reach[2])})
-    points = [(x, a, z, r, g) for x in xs for a in az for z in az for r in rs for g in (0, reach[3])]
+    points = [(x, a, r, g) for x in xs for a in az for r in rs for g in (0, reach[3])]
     return all(any(all(_value(mine, *p) <= _value(other, *p) for p in points) for other in theirs)
                for mine in ours)
 
