@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(needs fsdp2 and osdp in --methods)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"),
+                        help="every run's Trainer precision; the hand FSDP2 gathers bf16 and reduces fp32 under bf16-mixed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--meta", action="store_true",
                         help="build the model on the meta device (osdp and the hand FSDP2; Lightning's ddp cannot)")
@@ -115,7 +117,8 @@ def model_settings(args: argparse.Namespace) -> dict[str, int]:
 def worker_command(method: str, budget: int | None, settings: dict[str, int], args: argparse.Namespace,
                    out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "benchmarks.compare_worker", "--method", method, "--out", str(out),
-           "--accelerator", args.accelerator, "--devices", str(args.devices), "--seed", str(args.seed)]
+           "--accelerator", args.accelerator, "--devices", str(args.devices), "--seed", str(args.seed),
+           "--precision", getattr(args, "precision", "32-true")]
     cmd += [arg for k, v in settings.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
     cmd += ["--text-file", str(out.parent / CORPUS_FILE)] + (["--meta"] if getattr(args, "meta", False) else [])
     return cmd + (["--budget", str(budget)] if budget is not None else [])
@@ -252,7 +255,8 @@ def describe_machine(args: argparse.Namespace, settings: dict[str, int], params:
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpu = torch.cuda.get_device_name(0) if args.accelerator == "cuda" and torch.cuda.is_available() else None
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(memory_gib, 1), "gpu": gpu,
-            "accelerator": args.accelerator, "devices": args.devices, "torch": torch.__version__,
+            "accelerator": args.accelerator, "devices": args.devices, "precision": getattr(args, "precision", "32-true"),
+            "torch": torch.__version__,
             "python": platform.python_version(), "model": settings, "param_count": params,
             "rounds": args.rounds, "command": " ".join(["osdp-bench", *sys.argv[1:]]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": source_commit()}

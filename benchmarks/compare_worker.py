@@ -31,7 +31,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 from osdp_lightning.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTLitModule
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import osdp_lightning  # noqa: F401  (registers strategy="osdp")
 from osdp_lightning import InfeasibleBudgetError, OSDPStrategy, TrainingSummary
@@ -46,20 +46,28 @@ at the strategy's default budget, where everything fits)."""
 LIGHTNING_METHODS = {"ddp": "ddp", "fsdp2": "fsdp2", "fsdp2-ckpt": "fsdp2-ckpt"}
 """Method name -> Lightning's own strategy, what a user would otherwise run (``ddp``: torch DDP)."""
 _SMALLEST_RE = re.compile(r"\((\d+) bytes")
+PRECISIONS = ("32-true", "bf16-mixed")
+"""``--precision``: the Trainer's. Under ``bf16-mixed`` the hand-written FSDP2 shards each block and the
+root with torchtitan's policy (gather bf16, reduce fp32), as osdp's sharded units run."""
+HAND_POLICIES = {"32-true": MixedPrecisionPolicy(),
+                 "bf16-mixed": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 
 
 class HandFSDP2GPT(GPTLitModule):
     """The GPT recipe sharded by hand, as Lightning documents FSDP2 (``ModelParallelStrategy``):
-    ``fully_shard`` on each transformer block, then on the model (embeddings, final norm)."""
+    ``fully_shard`` on each transformer block, then on the model (embeddings, final norm), each with
+    ``mp_policy`` (``--precision``: :data:`HAND_POLICIES`)."""
+
+    mp_policy = HAND_POLICIES["32-true"]
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
         for block in self.net.h:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=self.mp_policy)
+        fully_shard(self.net, mesh=mesh, mp_policy=self.mp_policy)
 
 
-class HandFSDP2CheckpointGPT(GPTLitModule):
+class HandFSDP2CheckpointGPT(HandFSDP2GPT):
     """zero3 + activation checkpointing of every block, as a user sets it up by hand: torch's
     checkpointing, then ``fully_shard``, on each transformer block (the baseline for tight budgets)."""
 
@@ -69,8 +77,8 @@ class HandFSDP2CheckpointGPT(GPTLitModule):
         mesh = self.device_mesh["data_parallel"]
         for block in self.net.h:
             checkpoint(block)
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=self.mp_policy)
+        fully_shard(self.net, mesh=mesh, mp_policy=self.mp_policy)
 
 
 HAND_MODULES = {"fsdp2": HandFSDP2GPT, "fsdp2-ckpt": HandFSDP2CheckpointGPT}
@@ -130,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--precision", default="32-true", choices=PRECISIONS, help="the Trainer's precision")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--split-factors", default="2,4,8")
     parser.add_argument("--text-file", default=None, help="training text (default: CPython's docs, parsed per run)")
@@ -150,7 +159,7 @@ def build_trainer(args: argparse.Namespace, callbacks: list[Callback]) -> L.Trai
         strategy = LIGHTNING_METHODS.get(args.method) or OSDPStrategy(memory_budget=args.budget, uniform_choice=METHODS[args.method],
                             split_factors=factors, plan=args.plan)
     return L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices,
-                     max_steps=args.steps, precision="32-true", logger=False, enable_checkpointing=False,
+                     max_steps=args.steps, precision=args.precision, logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                      limit_val_batches=0, callbacks=callbacks)
 
@@ -167,7 +176,9 @@ def run(args: argparse.Namespace) -> tuple[L.Trainer, dict[str, Any]]:
     meta = args.meta and args.method != "ddp"
     with trainer.init_module(empty_init=True) if meta else contextlib.nullcontext():
         module = HAND_MODULES.get(args.method, GPTLitModule)(GPT(config))
-    record: dict[str, Any] = {"method": args.method, "budget_bytes": args.budget,
+    if args.method in HAND_MODULES:
+        module.mp_policy = HAND_POLICIES[args.precision]
+    record: dict[str, Any] = {"method": args.method, "budget_bytes": args.budget, "precision": args.precision,
                               "param_count": sum(p.numel() for p in module.parameters())}
     try:
         trainer.fit(module, datamodule=data)

@@ -99,6 +99,21 @@ def test_one_device_runs_ddp_and_osdp_above_its_peak() -> None:
     assert compare.model_settings(args)["n_embd"] == 128
 
 
+def test_precision_reaches_every_worker_and_the_hand_fsdp2_policy() -> None:
+    import torch
+
+    from benchmarks import compare_worker
+
+    args = compare.build_parser().parse_args(["--precision", "bf16-mixed"])
+    compare.resolve_defaults(args)
+    cmd = compare.worker_command("fsdp2", None, compare.model_settings(args), args, Path("/tmp/run.json"))
+    assert cmd[cmd.index("--precision") + 1] == "bf16-mixed"
+    policy = compare_worker.HAND_POLICIES["bf16-mixed"]
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert compare_worker.HandFSDP2GPT.mp_policy.param_dtype is None  # 32-true: FSDP2's default policy
+    assert compare_worker.build_parser().parse_args(["--method", "fsdp2", "--out", "x"]).precision == "32-true"
+
+
 def test_worker_reads_the_smallest_budget_from_the_strategy_error() -> None:
     unit = UnitProfile(name="a", module_names=("a",), param_count=1000, frozen_param_count=0, forward_s=1e-3,
                        backward_s=2e-3, activation_bytes=100)
