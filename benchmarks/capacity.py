@@ -4,10 +4,13 @@
     ./dev bench capacity --methods fsdp2-ckpt,osdp --paired 3,5 --rounds 3    # speed where both train
 
 For one width (``--n-embd``, default 768) and more and more layers, every method trains a few
-steps on 2 ranks (:mod:`benchmarks.compare_worker`), each rank under ``RLIMIT_DATA`` = the limit
-plus the method's fixed cost (interpreter, torch, Lightning, gloo, calibration: the data segment
-of a 1-layer, 64-wide GPT trained the same way, measured first). An allocation past the
-limit fails, and so does the run. Methods: Lightning's ``strategy="ddp"``, FSDP2 by hand on every
+steps on 2 ranks (:mod:`benchmarks.compare_worker`), each rank held to the limit plus the method's
+fixed cost (gloo, calibration, the training loop: what a 1-layer, 64-wide GPT trained the same way
+needs, measured first). ``--enforce cgroup`` (the default where a writable memory cgroup exists:
+:mod:`benchmarks.memory_limit`) puts each rank in a memory cgroup of its own, as containers and
+SLURM limit a job: past the limit the kernel ends the rank. ``--enforce rlimit-data`` sets
+``RLIMIT_DATA`` instead, which also counts address space reserved but never touched: an allocation
+past it fails. Either way the run fails. Methods: Lightning's ``strategy="ddp"``, FSDP2 by hand on every
 block (``fsdp2``) and with activation checkpointing on every block (``fsdp2-ckpt``), and osdp with
 ``--osdp-budget-fraction`` of the limit as its budget; the hand FSDP2 and osdp build the model on
 the meta device (Lightning's way for large models), DDP cannot. A method stops at its first size that fails. Writes
@@ -25,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import memory_limit
 from benchmarks.compare import load_average, source_commit
 from benchmarks.launch import run_ranks
 from osdp_lightning.calibrate.bench import rotated
@@ -36,9 +40,9 @@ METHODS = ("ddp", "fsdp2", "fsdp2-ckpt", "osdp")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", default="480MiB", help="per-rank memory limit")
-    parser.add_argument("--osdp-budget-fraction", type=float, default=0.96,
-                        help="osdp's memory_budget as a share of the limit: the budget counts the step's tensors, "
-                             "and what no tracker sees (gloo, autograd, the allocator) needs some of the rest")
+    parser.add_argument("--osdp-budget-fraction", type=float, default=1.0,
+                        help="osdp's memory_budget as a share of the limit (its plans keep free, inside the budget, "
+                             "their headroom and the process's untracked growth measured at setup)")
     parser.add_argument("--layers", default="2,3,4,5,6,8,10", help="sizes to try, ascending")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--n-embd", type=int, default=768)
@@ -52,19 +56,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="instead: throughput of the methods at these layer counts, --rounds rounds in rotated "
                              "order, paired ratios to the first method (no RLIMIT_DATA; osdp at the same budget)")
     parser.add_argument("--rounds", type=int, default=3)
-    return parser.parse_args(argv)
+    parser.add_argument("--enforce", choices=("cgroup", "rlimit-data"), default=None,
+                        help="how the limit is held (default: cgroup where available, else rlimit-data)")
+    args = parser.parse_args(argv)
+    args.enforce = args.enforce or ("cgroup" if memory_limit.available() else "rlimit-data")
+    return args
 
 
 def worker(method: str, layers: int, n_embd: int, n_head: int, args: argparse.Namespace, work: Path,
-           rlimit: int | None, budget: int | None) -> dict[str, Any]:
+           limit: int | None, budget: int | None) -> dict[str, Any]:
     """One run on 2 ranks; its record (``status`` ok, infeasible, or failed with the log's tail)."""
     name = f"{method}_{layers}x{n_embd}"
     out = work / f"{name}.json"
     cmd = [sys.executable, "-m", "benchmarks.compare_worker", "--method", method, "--n-layer", str(layers),
            "--n-embd", str(n_embd), "--n-head", str(n_head), "--seq-len", str(args.seq_len),
            "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--meta", "--out", str(out)]
-    cmd += ["--budget", str(budget)] if budget is not None and method == "osdp" else []
-    cmd += ["--rlimit-data", str(rlimit)] if rlimit is not None else []
+    cmd += ["--budget", str(budget), "--budget-covers", "process"] if budget is not None and method == "osdp" else []
+    if args.enforce == "cgroup":  # NOTE: 0 measures the cgroup's peak without a limit
+        cmd += ["--cgroup-limit", str(limit or 0)]
+    elif limit is not None:
+        cmd += ["--rlimit-data", str(limit)]
     # NOTE: large tensors from mmap (MALLOC_MMAP_THRESHOLD_) go back to the system when freed; from the heap
     # they would stay in the data segment that RLIMIT_DATA counts.
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OSDP_LIGHTNING_CACHE_DIR": str(work / "calibration"),
@@ -78,13 +89,18 @@ def worker(method: str, layers: int, n_embd: int, n_head: int, args: argparse.Na
     return {"status": "failed", "code": code, "log_tail": tail, "wall_s": wall_s}
 
 
-def fixed_cost_bytes(method: str, args: argparse.Namespace, work: Path) -> int:
-    """The data segment of a process that trains a tiny GPT with ``method``: what each of its ranks
-    needs besides the model (interpreter, torch, Lightning, gloo, the method's own machinery)."""
+def fixed_cost(method: str, args: argparse.Namespace, work: Path) -> dict[str, int]:
+    """The data segment (``VmData``), resident high-water (``VmHWM``) and what the limit adds to
+    (``limit``: under ``--enforce cgroup`` the anonymous memory its cgroup holds at the end, else the
+    data segment) of a process that trains a tiny GPT with ``method``: what each of its ranks needs
+    besides the model (torch, Lightning, gloo, the method's own machinery)."""
     record = worker(method, 1, 64, 4, args, work, None, None)
     if record.get("status") != "ok":
         raise RuntimeError(f"the fixed-cost run ({method}) failed: {record.get('log_tail', record)}")
-    return int(record["process"]["VmData"])
+    process = record["process"]
+    # NOTE: file pages the cgroup charged are reclaimed past the limit: its anonymous memory is the fixed cost
+    limit = process["cgroup_anonymous"] if args.enforce == "cgroup" else process["VmData"]
+    return {"VmData": int(process["VmData"]), "VmHWM": int(process["VmHWM"]), "limit": int(limit)}
 
 
 def paired(args: argparse.Namespace, work: Path) -> str:
@@ -119,15 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     limit = parse_bytes(args.limit)
     sizes = [int(x) for x in args.layers.split(",")]
     results: dict[str, dict[int, dict[str, Any]]] = {}
-    fixed: dict[str, int] = {}
+    fixed: dict[str, dict[str, int]] = {}
     for method in args.methods.split(","):
-        fixed[method] = fixed_cost_bytes(method, args, work)
-        print(f"{method}: fixed cost (data segment of a tiny run) {format_bytes(fixed[method])}, RLIMIT_DATA "
-              f"per rank {format_bytes(limit + fixed[method])}", flush=True)
+        fixed[method] = fixed_cost(method, args, work)
+        print(f"{method}: fixed cost (a tiny run's, {args.enforce}) {format_bytes(fixed[method]['limit'])}, "
+              f"limit per rank {format_bytes(limit + fixed[method]['limit'])}", flush=True)
         results[method] = {}
         for layers in sizes:
             budget = int(args.osdp_budget_fraction * limit)
-            record = worker(method, layers, args.n_embd, args.n_head, args, work, limit + fixed[method], budget)
+            record = worker(method, layers, args.n_embd, args.n_head, args, work, limit + fixed[method]["limit"],
+                            budget)
             results[method][layers] = record
             print(f"{method:11s} {layers:3d} layers: {describe(record)}", flush=True)
             if record.get("status") != "ok":
@@ -142,13 +159,28 @@ def main(argv: list[str] | None = None) -> int:
 
 def describe(record: dict[str, Any]) -> str:
     if record.get("status") == "ok":
-        s = record["summary"]
-        return (f"{s['tokens_per_s']:.0f} tokens/s, tracked peak {format_bytes(s['peak_bytes'])}, "
-                f"process HWM {format_bytes(record['process']['VmHWM'])}")
+        s, plan = record["summary"], record.get("plan") or {}
+        kept = (f", plan {format_bytes(plan['predicted_peak_bytes'])} + untracked {format_bytes(plan['untracked_bytes'])}"
+                if plan.get("untracked_bytes") else "")
+        cgroup = record["process"].get("cgroup_peak")
+        return (f"{s['tokens_per_s']:.0f} tokens/s, tracked peak {format_bytes(s['peak_bytes'])}{kept}, "
+                f"process HWM {format_bytes(record['process']['VmHWM'])}, data {format_bytes(record['process']['VmData'])}"
+                + (f", cgroup peak {format_bytes(cgroup)}" if cgroup else ""))
     if record.get("status") == "infeasible":
         return "no plan fits (osdp refused before training)"
     lines = [line for line in record.get("log_tail", "").splitlines() if "Error" in line or "error" in line]
     return f"failed ({lines[-1].strip()[:120] if lines else record.get('code')})"
+
+
+def used_share(report: dict[str, Any], method: str, record: dict[str, Any]) -> str:
+    """What the ranks used above their fixed cost, over the limit: osdp's own figure (the largest
+    rank's resident high-water above the fixed cost it measured at setup), else rank 0's resident
+    high-water (``VmHWM``) above the method's 1 x 64 run's."""
+    above = record["summary"].get("process_above_fixed_bytes")
+    if above:
+        return f"above its fixed cost {above / report['limit_bytes']:.3f}x"
+    fixed, process = report["fixed_cost_bytes"][method], record["process"]
+    return f"HWM {(process['VmHWM'] - fixed['VmHWM']) / report['limit_bytes']:.2f}x"
 
 
 def format_report(report: dict[str, Any], sizes: list[int]) -> str:
@@ -164,7 +196,7 @@ def format_report(report: dict[str, Any], sizes: list[int]) -> str:
             if record is None:
                 cells.append("-")
             elif record.get("status") == "ok":
-                cells.append(f"{record['summary']['tokens_per_s']:.0f} tok/s")
+                cells.append(f"{record['summary']['tokens_per_s']:.0f} tok/s ({used_share(report, method, record)})")
             else:
                 cells.append("infeasible" if record.get("status") == "infeasible" else "fails")
         rows.append(f"| {layers} | {params / 1e6:.1f}M | " + " | ".join(cells) + " |" if params else
@@ -173,11 +205,14 @@ def format_report(report: dict[str, Any], sizes: list[int]) -> str:
     return "\n".join([
         f"# Capacity at {format_bytes(report['limit_bytes'])} per rank", "",
         f"osdp's memory_budget: {report['args']['osdp_budget_fraction']:.0%} of the limit", "",
-        "RLIMIT_DATA per rank = the limit + the method's fixed cost (data segment of a 1 x 64 GPT run): "
-        + ", ".join(f"{m} {format_bytes(b)}" for m, b in report["fixed_cost_bytes"].items()), "",
+        f"held by {report['args']['enforce']}: per rank the limit + the method's fixed cost (a 1 x 64 GPT run's "
+        + ("cgroup's anonymous memory" if report["args"]["enforce"] == "cgroup" else "data segment") + "): "
+        + ", ".join(f"{m} {format_bytes(b['limit'])}" for m, b in report["fixed_cost_bytes"].items()), "",
         f"commit {report['commit']}, load average {report['load_average']}, args {report['args']}", "",
         *rows, "", "largest trained: " + ", ".join(f"{m} {n} layers" for m, n in largest.items()),
-        "throughput: median step after warm-up, one run per cell (tokens/s over both ranks)", ""])
+        "throughput: median step after warm-up, one run per cell (tokens/s over both ranks); in brackets what "
+        "the process used over the limit: osdp's largest rank above the fixed cost it measured at setup, else rank 0's "
+        "resident high-water above the method's 1 x 64 run's", ""])
 
 
 if __name__ == "__main__":

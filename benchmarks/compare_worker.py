@@ -34,9 +34,10 @@ from osdp_lightning.recipes.gpt import GPT, GPTConfig, GPTDataModule, GPTLitModu
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import osdp_lightning  # noqa: F401  (registers strategy="osdp")
+from benchmarks.memory_limit import cgroup_anonymous_bytes, cgroup_peak_bytes, enter_memory_cgroup
 from osdp_lightning import InfeasibleBudgetError, OSDPStrategy, TrainingSummary
 from osdp_lightning.choices import BASELINES, resolve
-from osdp_lightning.integration.callbacks import process_status_bytes
+from osdp_lightning.runtime.process_memory import process_status_bytes
 from osdp_lightning.runtime.shutdown import release_at_exit
 
 METHODS = {**{name: str(resolve(name)) for name in BASELINES if name != "ddp"}, "osdp-replicate": "replicate",
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", choices=sorted({*METHODS, *LIGHTNING_METHODS}), required=True)
     parser.add_argument("--budget", type=int, default=None, help="per-rank bytes (osdp)")
+    parser.add_argument("--budget-covers", choices=("tensors", "process"), default="tensors",
+                        help="what --budget bounds (OSDPConfig.budget_covers): the comparisons' budgets are shares of "
+                             "measured tensor peaks; benchmarks.capacity's is a limit on the process")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--n-head", type=int, default=4)
@@ -147,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="build the model under trainer.init_module(empty_init=True) (osdp and the hand FSDP2)")
     parser.add_argument("--rlimit-data", type=int, default=None,
                         help="RLIMIT_DATA of this process in bytes: an allocation past it fails (benchmarks.capacity)")
+    parser.add_argument("--cgroup-limit", type=int, default=None,
+                        help="bytes this process may use from here on, in a memory cgroup of its own (0: no limit, "
+                             "only measured): past them the kernel ends it (benchmarks.capacity, benchmarks.memory_limit)")
     parser.add_argument("--out", required=True)
     return parser
 
@@ -156,8 +163,9 @@ def build_trainer(args: argparse.Namespace, callbacks: list[Callback]) -> L.Trai
     if args.method in HAND_MODULES:  # FSDP2 as Lightning documents it (HandFSDP2GPT.configure_model)
         strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
     else:
-        strategy = LIGHTNING_METHODS.get(args.method) or OSDPStrategy(memory_budget=args.budget, uniform_choice=METHODS[args.method],
-                            split_factors=factors, plan=args.plan)
+        strategy = LIGHTNING_METHODS.get(args.method) or OSDPStrategy(
+            memory_budget=args.budget, uniform_choice=METHODS[args.method], budget_covers=args.budget_covers,
+            split_factors=factors, plan=args.plan)
     return L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices,
                      max_steps=args.steps, precision=args.precision, logger=False, enable_checkpointing=False,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -235,8 +243,12 @@ def main() -> None:
     release_at_exit()
     if args.rlimit_data is not None:
         resource.setrlimit(resource.RLIMIT_DATA, (args.rlimit_data, args.rlimit_data))
+    if args.cgroup_limit is not None:
+        enter_memory_cgroup(args.cgroup_limit or None)
     trainer, record = run(args)
     record["process"] = process_status_bytes("VmHWM", "VmData")
+    if args.cgroup_limit is not None:
+        record["process"].update(cgroup_peak=cgroup_peak_bytes(), cgroup_anonymous=cgroup_anonymous_bytes())
     if trainer.global_rank == 0:
         Path(args.out).write_text(json.dumps(record, indent=1, default=str) + "\n")
         _save_pricing(trainer, Path(args.out).with_suffix(".pkl"))

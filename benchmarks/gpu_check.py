@@ -99,11 +99,13 @@ def plans_for(profile: ModelProfile, world: int) -> dict[str, Plan]:
     return plans
 
 
-def measured_peak_bytes(args: argparse.Namespace, plan: Plan, device: torch.device) -> int:
+def measured_peak_bytes(args: argparse.Namespace, plan: Plan, device: torch.device) -> tuple[int, int]:
     """Apply ``plan`` under a fake process group of its world size, train two steps and return the
-    second step's peak (the optimizer state exists from there on), from what was allocated before."""
+    second step's peak (the optimizer state exists from there on), from what was allocated before,
+    and the caching allocator's reserved peak from what was reserved before (CPU: the peak twice)."""
     _release(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    base_reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
         torch.manual_seed(0)
@@ -127,27 +129,31 @@ def measured_peak_bytes(args: argparse.Namespace, plan: Plan, device: torch.devi
                 torch.cuda.reset_peak_memory_stats(device)
                 step()
                 torch.cuda.synchronize(device)
-                return torch.cuda.max_memory_allocated(device) - base
+                return (torch.cuda.max_memory_allocated(device) - base,
+                        torch.cuda.max_memory_reserved(device) - base_reserved)
             tracker = MemTracker()
             tracker.track_external(root, optimizer, *batch.values())
             with tracker:
                 step()
-            return int(max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
+            peak = int(max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
+            return peak, peak
     finally:
         dist.destroy_process_group()
 
 
 def check_memory(args: argparse.Namespace, device: torch.device, found: dict[str, ModelProfile]) -> None:
     """Print one table row per plan as it is measured."""
-    print("| profile | world | plan | choices | predicted peak | measured peak | error |\n"
-          "|---|---:|---|---|---:|---:|---:|", flush=True)
+    print("| profile | world | plan | choices | predicted peak | measured peak | error | reserved peak | "
+          "budget | reserved / budget |\n|---|---:|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
     for kind, profile in found.items():
         for world in args.worlds:
             for name, plan in plans_for(profile, world).items():
-                measured = measured_peak_bytes(args, plan, device)
+                measured, reserved = measured_peak_bytes(args, plan, device)
                 error = plan.predicted_peak_bytes / measured - 1
                 print(f"| {kind} | {world} | {name} | {plan.choices_text()} | {format_bytes(plan.predicted_peak_bytes)} | "
-                      f"{format_bytes(measured)} | {error:+.1%} |", flush=True)
+                      f"{format_bytes(measured)} | {error:+.1%} | {format_bytes(reserved)} | "
+                      f"{format_bytes(plan.memory_budget_bytes)} | {reserved / plan.memory_budget_bytes:.2f} |",
+                      flush=True)
 
 
 class _LossRecorder(L.Callback):

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import osdp_lightning  # noqa: F401  (registers strategy="osdp")
 from benchmarks.compare_worker import _SMALLEST_RE, PhaseTimer
 from osdp_lightning import InfeasibleBudgetError, OSDPStrategy, TrainingSummary
-from osdp_lightning.integration.callbacks import process_status_bytes
+from osdp_lightning.runtime.process_memory import process_status_bytes
 from osdp_lightning.runtime.shutdown import release_at_exit
 
 FAMILIES = ("llama", "gpt2", "neox", "bert", "t5")

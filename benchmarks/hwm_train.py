@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from osdp_lightning.integration.callbacks import process_status_bytes
+from osdp_lightning.runtime.process_memory import process_status_bytes
 
 
 def run_dir(argv: list[str]) -> Path | None:

@@ -31,7 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from osdp_lightning.integration.callbacks import TrainingSummary, process_status_bytes
+from osdp_lightning.integration.callbacks import TrainingSummary
+from osdp_lightning.runtime.process_memory import process_status_bytes
 
 RECORD: dict[str, Any] = {}
 PAGE_CACHE_ENV = "OSDP_BENCH_PAGE_CACHE"

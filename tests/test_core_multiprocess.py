@@ -76,6 +76,9 @@ def test_mlp_matches_ddp_for_replicate_zero3_and_mixed_plans(train, tmp_path: Pa
     assert_same_losses(ddp, mixed)
     plan = assert_plan_and_memory(mixed)
     assert len({u["choice"] for u in plan["units"]}) >= 2, plan["units"]
+    # the budget bounds the tensors here (budget_covers="tensors"); the process's own figure is still reported
+    assert plan["untracked_bytes"] == 0 and plan["predicted_peak_bytes"] + plan["headroom_bytes"] <= budget
+    assert 0 < mixed[0]["summary"]["process_above_fixed_bytes"] < mixed[0]["summary"]["process_peak_bytes"]
     # the saved plan is applied as it is: no profiling, same choices, same losses
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(json.dumps(plan))

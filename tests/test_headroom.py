@@ -32,9 +32,10 @@ def smallest_named(error: InfeasibleBudgetError) -> int:
     return int(match.group(1))
 
 
-def cluster(budget: int, headroom_bytes: int = 0, headroom_fraction: float = 0.0) -> ClusterSpec:
+def cluster(budget: int, headroom_bytes: int = 0, headroom_fraction: float = 0.0, untracked_bytes: int = 0) -> ClusterSpec:
     return ClusterSpec(world_size=4, memory_budget_bytes=budget, collective_latency_s=1e-5,
-                       bandwidth_bytes_per_s=1e10, headroom_bytes=headroom_bytes, headroom_fraction=headroom_fraction)
+                       bandwidth_bytes_per_s=1e10, headroom_bytes=headroom_bytes, headroom_fraction=headroom_fraction,
+                       untracked_bytes=untracked_bytes, untracked_reason="measured" if untracked_bytes else "")
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -65,19 +66,21 @@ def test_the_named_smallest_budget_plans_and_one_byte_less_does_not(seed: int) -
     rule = rng.choice(("bytes", "share", "both"))
     headroom_bytes = rng.randint(1, 4 * 10**7) if rule != "share" else 0
     fraction = rng.uniform(0.01, 0.6) if rule != "bytes" else 0.0
+    untracked = rng.choice((0, rng.randint(1, 10**7)))  # what the process grows by beyond tensors, kept free too
     budget = rng.randint(10**5, 6 * 10**7)  # from below the headroom to roomy
     try:
-        plan = make_plan(profile, cluster(budget, headroom_bytes, fraction))
+        plan = make_plan(profile, cluster(budget, headroom_bytes, fraction, untracked))
     except InfeasibleBudgetError as err:
         smallest = smallest_named(err)
-        assert smallest > budget
-        fits = make_plan(profile, cluster(smallest, headroom_bytes, fraction))
-        assert fits.predicted_peak_bytes <= cluster(smallest, headroom_bytes, fraction).usable_bytes
+        assert smallest > budget and ("untracked (measured)" in str(err)) == bool(untracked)
+        fits = make_plan(profile, cluster(smallest, headroom_bytes, fraction, untracked))
+        assert fits.predicted_peak_bytes <= cluster(smallest, headroom_bytes, fraction, untracked).usable_bytes
         with pytest.raises(InfeasibleBudgetError) as below:
-            make_plan(profile, cluster(smallest - 1, headroom_bytes, fraction))
+            make_plan(profile, cluster(smallest - 1, headroom_bytes, fraction, untracked))
         assert smallest_named(below.value) == smallest  # the same figure from one byte below
     else:
-        assert plan.predicted_peak_bytes <= cluster(budget, headroom_bytes, fraction).usable_bytes
+        assert plan.predicted_peak_bytes <= cluster(budget, headroom_bytes, fraction, untracked).usable_bytes
+        assert plan.untracked_bytes == untracked
 
 
 def test_a_budget_at_the_headroom_names_both_and_what_to_change() -> None:

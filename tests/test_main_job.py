@@ -43,3 +43,6 @@ def test_main_job_shows_a_mixed_plan_its_comparison_picture_and_logged_predictio
     # the process's high-water marks beside the tracked step: after setup, then over the whole run
     assert summary["process_peak_bytes"] >= summary["setup_peak_bytes"] > summary["peak_bytes"]
     assert "high-water mark per rank (process resident set, interpreter included): after setup" in out
+    # and above the fixed cost osdp measured at setup (what a CPU budget bounds): less than the whole process
+    assert 0 < summary["process_above_fixed_bytes"] < summary["process_peak_bytes"]
+    assert "above the fixed cost measured at setup" in out

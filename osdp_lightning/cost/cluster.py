@@ -51,6 +51,15 @@ class ClusterSpec:
     :attr:`usable_bytes`."""
     headroom_reason: str = ""
     """Which rule set the headroom (``budget.PlanHeadroom.reason``); plans print it beside the figure."""
+    untracked_bytes: int = 0
+    """Bytes the process needs beside the tensors the memory model prices (measured at setup:
+    :mod:`osdp_lightning.runtime.process_memory`); plans keep them free on top of the headroom where
+    :attr:`untracked_counted`, and a budget named in bytes (a real limit) always counts them."""
+    untracked_reason: str = ""
+    """Where :attr:`untracked_bytes` was measured; plans print it beside the figure."""
+    untracked_counted: bool = True
+    """Whether this budget counts :attr:`untracked_bytes`: a real limit does; a share of a
+    baseline's predicted peak (``"70%ddp"``) bounds the priced tensors only."""
     ranks_per_node: int | None = None
     """Ranks that share a node; ``None`` means all of them (one node)."""
     inter_node_bandwidth_bytes_per_s: float | None = None
@@ -88,20 +97,27 @@ class ClusterSpec:
         """Bytes a plan keeps free of ``budget_bytes``: the larger of the bytes and the share."""
         return max(self.headroom_bytes, int(budget_bytes * self.headroom_fraction))
 
+    def kept_free_bytes(self, budget_bytes: int, real_limit: bool | None = None) -> int:
+        """Bytes a plan keeps free of ``budget_bytes``: its headroom, and the untracked bytes where the
+        budget counts them (``real_limit``; default: :attr:`untracked_counted`)."""
+        counted = self.untracked_counted if real_limit is None else real_limit
+        return self.headroom_for(budget_bytes) + (self.untracked_bytes if counted else 0)
+
     @property
     def usable_bytes(self) -> int:
-        """What a plan may fill: the budget less its headroom (not positive: nothing fits)."""
-        return self.memory_budget_bytes - self.headroom_for(self.memory_budget_bytes)
+        """What a plan may fill: the budget less what it keeps free (not positive: nothing fits)."""
+        return self.memory_budget_bytes - self.kept_free_bytes(self.memory_budget_bytes)
 
     def smallest_budget_for(self, usable_bytes: int) -> int:
-        """The least budget whose usable bytes (budget less headroom) reach ``usable_bytes``.
+        """The least budget in bytes (a real limit: the untracked bytes counted) whose usable bytes
+        (budget less what plans keep free) reach ``usable_bytes``.
 
         Exact for any headroom rule that grows by at most one byte per byte of budget (bytes, a
         share below 1, the larger of both): usable bytes never fall as the budget grows, so the
         least budget is found by bisection on whole bytes.
         """
         def usable(budget: int) -> int:
-            return budget - self.headroom_for(budget)
+            return budget - self.kept_free_bytes(budget, real_limit=True)
 
         low, high = usable_bytes, max(usable_bytes, 1)  # usable(low) <= low: too small or just right
         while usable(high) < usable_bytes:
@@ -112,9 +128,9 @@ class ClusterSpec:
         return high
 
     def __post_init__(self) -> None:
-        if self.headroom_bytes < 0 or not 0.0 <= self.headroom_fraction < 1.0:
-            raise ValueError(f"headroom must be >= 0 bytes and a share in [0, 1); got {self.headroom_bytes} bytes "
-                             f"and {self.headroom_fraction}")
+        if self.headroom_bytes < 0 or self.untracked_bytes < 0 or not 0.0 <= self.headroom_fraction < 1.0:
+            raise ValueError(f"headroom must be >= 0 bytes and a share in [0, 1), untracked bytes >= 0; got "
+                             f"{self.headroom_bytes} bytes, {self.headroom_fraction} and {self.untracked_bytes}")
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.bandwidth_bytes_per_s <= 0:

@@ -7,16 +7,17 @@ after warm-up; the tracked step is left out of it because the tracker slows ever
 
 Beside the step's tensors, the high-water mark of the whole process is kept twice: when setup
 ends (calibration, profiling, sharding, materializing) and when training ends: on CUDA the
-allocator's most allocated bytes, on CPU the resident set's high-water mark (``VmHWM``: it also
-counts the interpreter, torch, Lightning and gloo, a fixed cost to subtract when comparing with a
-budget; run with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed large tensors leave the set).
+allocator's most reserved bytes, on CPU the resident set's high-water mark (``VmHWM``: it also
+counts the interpreter, torch, Lightning and gloo; run with ``MALLOC_MMAP_THRESHOLD_=65536`` so
+that freed large tensors leave the set). Under the osdp strategy on CPU the summary also gives the
+largest rank's high-water above the fixed cost osdp measured at setup
+(``process_above_fixed_bytes``): what its budget bounds (:mod:`osdp_lightning.runtime.process_memory`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import statistics
 import time
 from typing import Any
@@ -29,6 +30,7 @@ from typing_extensions import override
 from osdp_lightning.cost.budget import format_bytes
 from osdp_lightning.profiling.profile import module_snapshots
 from osdp_lightning.report.report import log_measured
+from osdp_lightning.runtime.process_memory import high_water_bytes
 
 WARMUP_STEPS = 2
 
@@ -108,9 +110,12 @@ class TrainingSummary(Callback):
         world = trainer.world_size
         peak = strategy.reduce(torch.tensor(float(self._peak_bytes), device=strategy.root_device), reduce_op="max")
         process = max(self._setup_peak_bytes, self._process_peak_bytes, process_peak_bytes(strategy.root_device))
-        setup_peak, process_peak = (int(strategy.reduce(torch.tensor(float(b), device=strategy.root_device),
-                                                         reduce_op="max").item())
-                                    for b in (self._setup_peak_bytes, process))
+        fixed = getattr(strategy, "fixed_cost_bytes", 0)
+        # NOTE: each rank above its own fixed cost, the largest: what a per-rank budget bounds on CPU
+        above = process - fixed if fixed and strategy.root_device.type == "cpu" else 0
+        setup_peak, process_peak, above_fixed = (
+            int(strategy.reduce(torch.tensor(float(b), device=strategy.root_device), reduce_op="max").item())
+            for b in (self._setup_peak_bytes, process, above))
         loss = strategy.reduce(torch.tensor(self._last_loss if self._last_loss is not None else float("nan"),
                                             device=strategy.root_device), reduce_op="mean")
         plan = getattr(strategy, "_plan", None)
@@ -121,6 +126,7 @@ class TrainingSummary(Callback):
             "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * self._tokens_per_sample,
             "peak_bytes": int(peak.item()), "memory_budget_bytes": budget,
             "setup_peak_bytes": setup_peak, "process_peak_bytes": process_peak,
+            "process_above_fixed_bytes": above_fixed,
             "predicted_peak_bytes": getattr(plan, "predicted_peak_bytes", None),
             "predicted_step_s": getattr(plan, "predicted_step_s", None),
             "final_loss": float(loss.item()), "world_size": world, "micro_batch_size": self._samples_per_step,
@@ -151,9 +157,11 @@ class TrainingSummary(Callback):
             f"final loss: {s['final_loss']:.4f}",
         ]
         if s.get("process_peak_bytes"):
-            what = "allocated" if s.get("process_peak_kind") == "cuda" else "process resident set, interpreter included"
+            what = "CUDA reserved" if s.get("process_peak_kind") == "cuda" else "process resident set, interpreter included"
             lines.insert(3, f"high-water mark per rank ({what}): after setup {format_bytes(s['setup_peak_bytes'])}, "
-                            f"after training {format_bytes(s['process_peak_bytes'])}")
+                            f"after training {format_bytes(s['process_peak_bytes'])}"
+                            + (f"; above the fixed cost measured at setup {format_bytes(s['process_above_fixed_bytes'])}"
+                               if s.get("process_above_fixed_bytes") else ""))
         if s["memory_budget_bytes"]:
             ratio = s["peak_bytes"] / s["memory_budget_bytes"]
             lines[2] += f" of budget {format_bytes(s['memory_budget_bytes'])} ({100 * ratio:.1f}%)"
@@ -167,25 +175,12 @@ class TrainingSummary(Callback):
 
 
 def process_peak_bytes(device: torch.device) -> int:
-    """The process's high-water mark so far: the CUDA allocator's most allocated bytes, or the
-    resident set's (``VmHWM``; ``ru_maxrss`` where /proc is missing)."""
+    """The process's high-water mark so far: the CUDA allocator's most reserved bytes (what a CUDA
+    budget bounds: allocated bytes and the fragmentation between them), or the resident set's
+    (``VmHWM``; ``ru_maxrss`` where /proc is missing)."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    status = process_status_bytes("VmHWM")
-    if "VmHWM" in status:
-        return status["VmHWM"]
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def process_status_bytes(*fields: str) -> dict[str, int]:
-    """Fields of ``/proc/self/status`` given in kB (``VmHWM``, ``VmData``, ...) in bytes; ``{}`` without /proc."""
-    try:
-        with open("/proc/self/status") as status:
-            lines = status.read().splitlines()
-    except OSError:
-        return {}
-    found = (line.partition(":") for line in lines)
-    return {key: int(value.split()[0]) * 1024 for key, _, value in found if key in fields}
+        return int(torch.cuda.max_memory_reserved(device))
+    return high_water_bytes()
 
 
 def _first_tensor(batch: Any) -> torch.Tensor | None:

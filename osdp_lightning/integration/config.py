@@ -71,7 +71,12 @@ class OSDPConfig:
     headroom: float | int | str | None = None
     """Part of the budget plans keep free for what the memory model misses: a share (``0.05``) or
     bytes (``"256MiB"``); ``None``: 2.5% on CPU (4% with more ranks than cores), on CUDA 4% plus the
-    allocator's fragmentation measured while profiling."""
+    allocator's fragmentation measured while profiling. Given, it is all plans keep free."""
+    budget_covers: Literal["process", "tensors"] = "process"
+    """What a budget in bytes or a share of the device bounds: ``"process"``, what the rank's process
+    uses (plans also keep free what it grew by beyond tensors while osdp profiled and solved, CPU),
+    or ``"tensors"``, only the tensors the memory model prices, as a share of a baseline's peak
+    (``"95%ddp"``) always does."""
     calibration_cache: bool = True
     """Reuse the step-time terms measured earlier on this machine (the median of the last
     ``OSDP_LIGHTNING_CALIBRATION_DRAWS`` calibrations); ``False`` measures anew."""
@@ -102,6 +107,9 @@ class OSDPConfig:
         fix("uniform_choice", check_uniform_choice(self.uniform_choice))
         fix("split_factors", check_split_factors(self.split_factors))
         fix("headroom", check_headroom(self.headroom))
+        if self.budget_covers not in ("process", "tensors"):
+            raise ValueError(f"budget_covers={self.budget_covers!r}: use 'process' (what the rank's process uses) or "
+                             "'tensors' (the tensors the memory model prices)")
         check_compile(self.compile)
         sharded_precision("bf16-mixed", self.reduce_dtype)  # raises, naming the accepted dtypes
         if isinstance(self.pretrained, (str, Path)):

@@ -56,6 +56,7 @@ from osdp_lightning.runtime.accumulate import check_accumulation, no_gradient_sy
 from osdp_lightning.runtime.clip import clip_grad_norm_, clip_grad_value_
 from osdp_lightning.runtime.faults import init_elastic_process_group
 from osdp_lightning.runtime.guards import preserved_rng
+from osdp_lightning.runtime.process_memory import prefer_expandable_segments
 from osdp_lightning.runtime.shutdown import release_at_exit
 
 
@@ -85,6 +86,7 @@ class OSDPFabricStrategy(ConfigOptions, SetupView, ModelParallelStrategy):
         super().__init__(parallelize_fn=_parallelized_by_the_plan, save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.config = _without_auto_batch_size((config or OSDPConfig()).with_options(**options))
+        prefer_expandable_segments()  # before CUDA starts: FSDP2's shards fragment the allocator less
         self.example_batch = example_batch
         """The batch profiling runs on (settable until ``fabric.setup``)."""
         self.loss_fn = loss_fn

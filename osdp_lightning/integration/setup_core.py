@@ -67,6 +67,12 @@ from osdp_lightning.runtime.compile import (
 )
 from osdp_lightning.runtime.faults import all_ranks_succeed, broadcast_object, portable_error
 from osdp_lightning.runtime.meshes import Meshes, build_meshes
+from osdp_lightning.runtime.process_memory import (
+    anonymous_bytes,
+    fixed_cost_bytes,
+    module_tensor_bytes,
+    untracked_growth_bytes,
+)
 from osdp_lightning.state.pretrained import load_pretrained
 
 
@@ -104,6 +110,12 @@ class SetupView:
         """Whether setup profiled the whole model (``False``: from shapes, as a meta-built model is)."""
         return self._core.profile_whole if self._core is not None else True
 
+    @property
+    def fixed_cost_bytes(self) -> int:
+        """This rank's fixed cost a CPU budget is counted above (0: not measured: CUDA, no /proc, a
+        given plan)."""
+        return self._core.fixed_cost_bytes if self._core is not None else 0
+
 
 class ConfigOptions:
     """The options both strategies show as attributes: the fields of their ``config``, and what follows."""
@@ -118,6 +130,7 @@ class ConfigOptions:
     calibration_cache = ConfigField()
     pretrained = ConfigField()
     compile = ConfigField()
+    budget_covers = ConfigField()
 
     @property
     def memory_budget(self) -> MemoryBudget | None:
@@ -200,6 +213,10 @@ class OSDPSetup:
         self.setup_s: dict[str, float] = {}
         """Seconds spent at setup: calibrate, profile, solve, apply (rank 0's figures)."""
         self._fragmentation: float | None = None
+        self.fixed_cost_bytes = 0
+        """This rank's resident set once calibrated, less the model's CPU tensors: what the process
+        holds whatever the model; a CPU budget bounds the resident set above it (0: not measured)."""
+        self._untracked_bytes = 0
         self.compile_s = 0.0
         """Seconds this rank spent compiling units while profiling (``compile="units"``)."""
 
@@ -240,9 +257,11 @@ class OSDPSetup:
                 # up: without them the same all-replicate plan ran 0.15 s a step instead of 0.11 for
                 # the whole run (GPT 4 x 384, 2 gloo ranks; a tiny all-reduce and an all-gather suffice).
                 self.timings = measure_collectives(ranks.device)
+            self.measure_fixed_cost(module)
             self.plan = given
             return given
         self.calibrate(step.optimizer)
+        self.measure_fixed_cost(module)
         self.compile_for_profile(module)
         start_s = compile_seconds()
         with compiled_once():  # NOTE: each kind of unit compiles in the profile's first step, and only there
@@ -283,6 +302,12 @@ class OSDPSetup:
         rank_zero_info(f"osdp: step terms {terms.source}"
                        + (f" ({terms.calibrate_s:.2f} s)" if terms.calibrate_s else ""))
 
+    def measure_fixed_cost(self, module: nn.Module) -> None:
+        """The fixed cost a CPU budget is counted above: this rank's resident set once calibration has
+        warmed up torch, gloo and osdp's machinery, less the model's tensors (every rank its own)."""
+        if self.ranks.device.type == "cpu":
+            self.fixed_cost_bytes = fixed_cost_bytes(module)
+
     def _on_rank_zero(self, work: Callable[[], Any]) -> Any:
         """``work()`` on rank 0, its result on every rank; its error raised on every rank (also one
         that cannot be pickled: :func:`~osdp_lightning.runtime.faults.portable_error`), none left waiting."""
@@ -311,8 +336,16 @@ class OSDPSetup:
         budget = config.budget
         if not self.profile_whole and not (budget is not None and budget.needs_profile):
             check_setup_fits(module, options, self.cluster_spec().memory_budget_bytes)
+        optimizers = [step.optimizer] if step.optimizer is not None else []
+        start = anonymous_bytes(), module_tensor_bytes(module, optimizers)
+
+        def untracked() -> int:  # NOTE: what rank 0's work leaves in its own memory stays through training
+            return untracked_growth_bytes(start[0], anonymous_bytes(), start[1], module_tensor_bytes(module, optimizers))
+
         profile = profile_model(module, batch, device, options, whole=self.profile_whole,
                                 optimizer=step.optimizer, step_context=step.step_context)
+        if device.type == "cpu":
+            self._untracked_bytes = untracked()
         if not self.profile_whole:
             rank_zero_info(f"osdp: profiled from shapes (fake step, one real copy of each kind of unit) in "
                            f"{profile.profile_s:.2f} s; the model is placed on the device only as its shards")
@@ -322,7 +355,22 @@ class OSDPSetup:
         if device.type == "cuda":  # the caching allocator's slack at the profiled peak
             allocated = torch.cuda.max_memory_allocated(device)
             self._fragmentation = torch.cuda.max_memory_reserved(device) / allocated - 1 if allocated else None
-        return profile, self._solve(profile, step)
+        return profile, self._solve_within_untracked(profile, step, untracked)
+
+    def _solve_within_untracked(self, profile: ModelProfile, step: StepInputs, untracked: Callable[[], int]) -> Plan:
+        """The plan, once what the solve itself leaves in the process is counted too (CPU, measured
+        by ``untracked()`` from before profiling): solving again when the first plan no longer fits
+        with it (the second solve reuses that memory)."""
+        plan = self._solve(profile, step)
+        if self.ranks.device.type != "cpu" or (grown := untracked()) <= self._untracked_bytes:
+            return plan
+        self._untracked_bytes = grown
+        cluster = self.cluster_spec(plan.memory_budget_bytes)
+        if plan.predicted_peak_bytes > cluster.usable_bytes:
+            return self._solve(profile, step)
+        counted = cluster.untracked_counted
+        return dataclasses.replace(plan, untracked_bytes=cluster.untracked_bytes if counted else 0,
+                                   untracked_reason=cluster.untracked_reason if counted else "")
 
     def _solve(self, profile: ModelProfile, step: StepInputs) -> Plan:
         config, budget = self.config, self.config.budget
@@ -358,7 +406,14 @@ class OSDPSetup:
             world_size=ranks.world_size, ranks_per_node=ranks.ranks_per_node, memory_budget_bytes=budget,
             timings=self.timings, node_timings=self.node_timings, overlap_efficiency=overlap,
             headroom_bytes=headroom.bytes, headroom_fraction=headroom.share)
-        return dataclasses.replace(spec, step_terms=self.step_terms, headroom_reason=headroom.reason)
+        # NOTE: a share of a baseline's predicted peak ("70%ddp") bounds the priced tensors; a budget in
+        # bytes or a share of the device is a real limit, which the process's untracked growth counts in.
+        real_limit = config.budget_covers == "process" and (config.budget is None or not config.budget.needs_profile)
+        untracked = self._untracked_bytes if config.headroom is None else 0
+        return dataclasses.replace(spec, step_terms=self.step_terms, headroom_reason=headroom.reason,
+                                   untracked_bytes=untracked, untracked_counted=real_limit, untracked_reason=(
+                                       "measured at setup: what rank 0's own memory grew by beyond tensors "
+                                       "while it profiled and solved" if untracked else ""))
 
     # -- 4. apply ------------------------------------------------------------------------------
     def apply(self, module: nn.Module, root: nn.Module) -> None:

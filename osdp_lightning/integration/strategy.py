@@ -49,6 +49,7 @@ from osdp_lightning.runtime.accumulate import check_accumulation, no_gradient_sy
 from osdp_lightning.runtime.clip import with_sharded_clipping
 from osdp_lightning.runtime.faults import init_elastic_process_group
 from osdp_lightning.runtime.guards import preserved_rng
+from osdp_lightning.runtime.process_memory import prefer_expandable_segments
 from osdp_lightning.runtime.shutdown import release_at_exit
 from osdp_lightning.state import checkpoint as checkpoint_io
 
@@ -78,6 +79,7 @@ class OSDPStrategy(ConfigOptions, SetupView, ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.config = (config or OSDPConfig()).with_options(**options)
+        prefer_expandable_segments()  # before CUDA starts: FSDP2's shards fragment the allocator less
         self._core: OSDPSetup | None = None
         self._root: RootWrapper | None = None
 

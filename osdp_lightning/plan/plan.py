@@ -120,6 +120,10 @@ class Plan:
     headroom_bytes: int = 0
     """Bytes of the budget the plan was solved to leave free, and the rule that set them:"""
     headroom_reason: str = ""
+    untracked_bytes: int = 0
+    """Bytes of the budget kept free for what the process needs beside the priced tensors, and
+    where they were measured (:attr:`~osdp_lightning.cost.cluster.ClusterSpec.untracked_bytes`)."""
+    untracked_reason: str = ""
     param_dtype: str = ""
     """The dtype its sharded units gather in and the dtype they reduce gradients in, as priced and as
     applied (FSDP2's ``MixedPrecisionPolicy``; ``bf16-mixed``: ``"bfloat16"``, ``"float32"``);
@@ -202,7 +206,9 @@ class Plan:
             f"({100 * self.predicted_peak_bytes / self.memory_budget_bytes:.1f}%)"
             + (f"; headroom kept free {format_bytes(self.headroom_bytes)} "
                f"({100 * self.headroom_bytes / self.memory_budget_bytes:.1f}%: {self.headroom_reason or 'as given'})"
-               if self.headroom_bytes else ""),
+               if self.headroom_bytes else "")
+            + (f"; untracked kept free {format_bytes(self.untracked_bytes)} ({self.untracked_reason})"
+               if self.untracked_bytes else ""),
             f"predicted step: {self.predicted_step_s:.4f} s at micro-batch {self.micro_batch_size} x "
             f"{self.world_size} ranks = {self.predicted_throughput:.1f} samples/s",
             f"  = compute {self.predicted_compute_s:.4f} + optimizer {self.predicted_optimizer_s:.4f} + FSDP "
@@ -316,9 +322,13 @@ def _infeasible(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: Cluster
     smallest = cluster.smallest_budget_for(need)
     budget, batch = cluster.memory_budget_bytes, min(t.micro_batch_size for _, t in tables)
     headroom = cluster.headroom_for(budget)
-    rule = _headroom_rule(cluster)
+    rule = _headroom_rule(cluster) + (f" and {format_bytes(cluster.untracked_bytes)} untracked "
+                                      f"({cluster.untracked_reason})" if cluster.kept_free_bytes(budget) > headroom
+                                      else "")
+    untracked = f" and {format_bytes(cluster.untracked_bytes)} untracked" if cluster.untracked_bytes else ""
     fix = (f"the smallest budget that fits is {format_bytes(smallest)} ({smallest} bytes, of which "
-           f"{format_bytes(cluster.headroom_for(smallest))} headroom; memory_budget={format_budget(smallest)!r})")
+           f"{format_bytes(cluster.headroom_for(smallest))} headroom{untracked}; "
+           f"memory_budget={format_budget(smallest)!r})")
     if cluster.usable_bytes <= 0:
         return InfeasibleBudgetError(
             f"the memory budget of {format_bytes(budget)} per rank is not more than the headroom plans keep free, "
@@ -421,6 +431,8 @@ def assemble_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpe
         predicted_loop_s=table.fixed_step_s,
         step_terms_source=cluster.step_terms.source if cluster.step_terms is not None else "",
         headroom_bytes=cluster.headroom_for(cluster.memory_budget_bytes), headroom_reason=cluster.headroom_reason,
+        untracked_bytes=cluster.untracked_bytes if cluster.untracked_counted else 0,
+        untracked_reason=cluster.untracked_reason if cluster.untracked_counted else "",
         param_dtype=profile.param_dtype, reduce_dtype=profile.reduce_dtype)
 
 

@@ -35,6 +35,8 @@ def main() -> None:
                         "by hand: FSDP2 and DDP, hand_layout.py)")
     parser.add_argument("--uniform", default=None, help="replicate | zero2 | zero3")
     parser.add_argument("--budget", default=None)
+    parser.add_argument("--budget-covers", default="tensors", help="process | tensors (the tests' budgets are "
+                        "computed from the memory model's tensor peaks)")
     parser.add_argument("--plan", default=None, help="plan JSON to apply")
     parser.add_argument("--split-factors", default="2,4,8")
     parser.add_argument("--activation-checkpointing", default="auto", help="auto | never | always")
@@ -65,7 +67,8 @@ def main() -> None:
         plan = _hand_made_plan(model, args.devices, args.choices) if args.choices else args.plan
         strategy = OSDPStrategy(memory_budget=args.budget, uniform_choice=args.uniform, plan=plan,
                                 split_factors=factors, micro_batch_size=micro,
-                                activation_checkpointing=args.activation_checkpointing, compile=args.compile)
+                                activation_checkpointing=args.activation_checkpointing, compile=args.compile,
+                                budget_covers=args.budget_covers)
     else:
         strategy = hand_layout_strategy(args.devices) if args.strategy == "hand" else args.strategy
     summary = TrainingSummary()
