@@ -9,9 +9,10 @@ A budget bounds what the process uses on its device, not only the tensors of one
   per-parameter shards fragment: :func:`prefer_expandable_segments` turns on
   ``expandable_segments:True`` where the user has not configured the allocator.
 
-Beside the tensors the memory model tracks, the process grows by what no tracker sees (malloc's
-and autograd's bookkeeping, gloo, kernels loaded on first use, caches); osdp measures that growth
-where it does real work at setup (:func:`untracked_growth_bytes`) and plans keep it free.
+Beside the tensors the memory model tracks, the process's own memory grows by what no tracker
+sees (malloc's and autograd's bookkeeping, caches); osdp measures that growth where it does real
+work at setup (:func:`untracked_growth_bytes`) and plans keep it free. Code pages loaded on first
+use are shared files: the resident high-water counts them, the growth plans keep free does not.
 """
 
 from __future__ import annotations
