@@ -142,7 +142,8 @@ def run(args: argparse.Namespace) -> tuple[L.Trainer, dict[str, Any]]:
     """Train once; return the trainer and this rank's record."""
     L.seed_everything(args.seed, workers=True)
     budget = int(args.budget) if args.budget and args.budget.isdigit() else args.budget
-    strategy = OSDPStrategy(memory_budget=budget) if args.method == "osdp" else "ddp"
+    # NOTE: its budgets are shares of predicted peaks or 5% above the smallest named: they bound the priced tensors
+    strategy = OSDPStrategy(memory_budget=budget, budget_covers="tensors") if args.method == "osdp" else "ddp"
     summary, phases = TrainingSummary(module_memory=args.method == "osdp"), PhaseTimer()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=args.steps, precision="32-true",
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -50,6 +50,17 @@ def test_a_module_the_user_compiled_in_place_is_compiled_per_unit() -> None:
     assert root[0]._compiled_call_impl is None and is_compiled(root[0])
 
 
+def test_a_module_the_user_wrapped_in_torch_compile_is_compiled_per_unit_and_keeps_its_keys() -> None:
+    root = nn.Sequential(torch.compile(_Block()), nn.Linear(8, 8))
+    keys = list(root.state_dict())
+    assert recompile_user_compiled(root) == ["0"]
+    wrapper = root[0]
+    assert is_compiled(wrapper._orig_mod) and wrapper.forward == wrapper._orig_mod.__call__
+    assert list(root.state_dict()) == keys and recompile_user_compiled(root) == []  # idempotent
+    on_meta = root.to("meta")  # the fake step's kind of call: through the wrapper, eagerly
+    assert on_meta(torch.empty(2, 8, device="meta")).is_meta
+
+
 def test_a_unit_that_cannot_be_compiled_runs_eagerly_with_a_warning_naming_it(monkeypatch) -> None:
     class Odd(_Block):
         pass
@@ -79,3 +90,8 @@ def test_compiled_units_train_as_eager_ones_on_two_ranks(train) -> None:
     for e, c in zip(eager, compiled, strict=True):
         assert len(c["losses"]) == 8
         assert c["losses"] == pytest.approx(e["losses"], rel=1e-4)
+    # blocks the user wrapped in torch.compile: compiled the same way, their wrappers kept
+    wrapped = train("wrapped", *common, "--user-compile")
+    assert [n.endswith(f"blocks.layers.{i}._orig_mod") for i, n in enumerate(wrapped[0]["compiled_units"])] == [True] * 2
+    for e, w in zip(eager, wrapped, strict=True):
+        assert w["losses"] == pytest.approx(e["losses"], rel=1e-4)

@@ -408,8 +408,9 @@ class OSDPSetup:
             headroom_bytes=headroom.bytes, headroom_fraction=headroom.share)
         # NOTE: a share of a baseline's predicted peak ("70%ddp") bounds the priced tensors; a budget in
         # bytes or a share of the device is a real limit, which the process's untracked growth counts in.
-        real_limit = config.budget_covers == "process" and (config.budget is None or not config.budget.needs_profile)
-        untracked = self._untracked_bytes if config.headroom is None else 0
+        process = config.budget_covers == "process" and config.headroom is None
+        real_limit = process and (config.budget is None or not config.budget.needs_profile)
+        untracked = self._untracked_bytes if process else 0  # NOTE: a budget named in bytes counts it
         return dataclasses.replace(spec, step_terms=self.step_terms, headroom_reason=headroom.reason,
                                    untracked_bytes=untracked, untracked_counted=real_limit, untracked_reason=(
                                        "measured at setup: what rank 0's own memory grew by beyond tensors "

@@ -10,9 +10,9 @@ once.
 
 - Leaf modules (a Linear, an Embedding: one kernel each, and the split Linear units) stay eager:
   there is nothing to fuse.
-- A module the user compiled in place (``block.compile()`` in ``configure_model``) is compiled
-  this way too (:func:`recompile_user_compiled`): a compiled ``_call_impl`` takes the profile's
-  hooks into its graph and recompiles for each profiled step.
+- A module the user compiled (``block.compile()`` or ``torch.compile(block)`` in
+  ``configure_model``) is compiled this way too (:func:`recompile_user_compiled`): a compiled
+  ``_call_impl`` takes the profile's hooks into its graph and recompiles for each profiled step.
 - A call under a dispatch mode (the fake step's ``FakeTensorMode``, ``FlopCounterMode``, the memory
   tracker) or on meta tensors runs the eager forward.
 - A unit whose forward cannot be compiled runs eagerly from then on, with a warning naming it.
@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 COMPILE_MODES = ("units",)
@@ -80,10 +81,18 @@ def compile_unit(module: nn.Module, name: str) -> bool:
 
 
 def recompile_user_compiled(root: nn.Module) -> list[str]:
-    """Modules under ``root`` compiled in place by the user (``module.compile()``), compiled as
-    :func:`compile_unit` compiles them instead (the hooks outside the graph); their names."""
+    """Modules under ``root`` the user compiled (``module.compile()`` in place, or a
+    ``torch.compile(module)`` wrapper), compiled as :func:`compile_unit` compiles them instead (the
+    hooks outside the graph); their names. A wrapper stays in the tree (the state dict's keys do not
+    change) and calls the module it wraps eagerly."""
     names = []
     for name, module in root.named_modules():
+        if isinstance(module, OptimizedModule):
+            inner = module._orig_mod
+            if not is_compiled(inner) and compile_unit(inner, name or type(inner).__name__):
+                module.forward = inner.__call__  # NOTE: its own compiled call would trace hooks on the parts inside
+                names.append(name)
+            continue
         if getattr(module, "_compiled_call_impl", None) is not None and not is_compiled(module):
             module._compiled_call_impl = None
             if compile_unit(module, name or type(module).__name__):

@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--keep-process-group", action="store_true",
                         help="end without destroy_process_group(), as many user scripts do")
     parser.add_argument("--compile", default=None, help="OSDPStrategy(compile=...): units")
+    parser.add_argument("--user-compile", action="store_true",
+                        help="wrap every block of the model's ModuleLists in torch.compile, as a user does")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -61,6 +63,10 @@ def main() -> None:
     model = hand_layout_model(MODELS[args.model], args.plan, args.precision) if args.strategy == "hand" \
         else MODELS[args.model]()
     model.optimizer_foreach = True if args.foreach else None
+    if args.user_compile:
+        for blocks in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
+            for i, block in enumerate(blocks):
+                blocks[i] = torch.compile(block)
     if args.strategy == "osdp":
         factors = tuple(int(k) for k in args.split_factors.split(",") if k)
         micro = args.micro_batch if args.micro_batch in (None, "auto") else int(args.micro_batch)
