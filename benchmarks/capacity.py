@@ -83,6 +83,8 @@ def worker(method: str, layers: int, n_embd: int, n_head: int, args: argparse.Na
     start = time.monotonic()
     code = run_ranks(cmd, work / f"{name}.log", args.run_timeout_s, env=env)
     wall_s = time.monotonic() - start
+    if args.enforce == "cgroup":
+        memory_limit.remove_finished()
     if code == 0 and out.exists():
         return {**json.loads(out.read_text()), "wall_s": wall_s}
     tail = (work / f"{name}.log").read_text()[-1500:]

@@ -3,6 +3,7 @@
     enter_memory_cgroup(limit_bytes)   # this process from now on; past the limit the kernel's OOM killer ends it
     cgroup_peak_bytes()                # what the cgroup has charged at most (memory.max_usage_in_bytes)
     cgroup_anonymous_bytes()           # its anonymous memory now (memory.stat rss)
+    remove_finished()                  # the cgroups of processes that have ended (the killed ones stay)
 
 The cgroup charges what the process allocates after it entered (its anonymous memory, and file
 pages it reads first); past the limit the kernel reclaims file pages, and anonymous memory it
@@ -64,6 +65,21 @@ def enter_memory_cgroup(limit_bytes: int | None) -> Path:
             pass
     atexit.register(leave)
     return child
+
+
+def remove_finished() -> int:
+    """Remove the cgroups :func:`enter_memory_cgroup` made for processes that have ended (a process
+    the kernel killed never leaves its own); how many were removed."""
+    parent = own_memory_cgroup()
+    removed = 0
+    for child in parent.glob("osdp_bench_*") if parent is not None else ():
+        try:
+            if not (child / "cgroup.procs").read_text().strip():
+                child.rmdir()
+                removed += 1
+        except OSError:
+            pass  # NOTE: still in use, or removed by its own process meanwhile
+    return removed
 
 
 def cgroup_peak_bytes() -> int | None:

@@ -31,6 +31,9 @@ def test_a_memory_cgroup_ends_a_process_past_its_limit_and_measures_one_within_i
     past = subprocess.run([sys.executable, "-c", script, str(64 * MIB), str(256 * MIB)], capture_output=True,
                           text=True, timeout=60)
     assert past.returncode == -9  # the kernel's OOM killer, as a container's limit ends a job
+    memory_limit.remove_finished()  # the killed process never left its cgroup: removed here
+    left = memory_limit.own_memory_cgroup().glob("osdp_bench_*")
+    assert all((child / "cgroup.procs").read_text().strip() for child in left)  # only those still in use
 
 
 def test_the_report_says_what_trained_what_was_refused_and_what_osdp_used() -> None:
