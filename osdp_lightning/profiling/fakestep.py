@@ -13,7 +13,6 @@ import copy
 import dataclasses
 import os
 import traceback
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -24,12 +23,16 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from osdp_lightning.profiling.profile import logging_disabled, loss_runner
-from osdp_lightning.profiling.recorder import StepRecorder, storage_key, storage_of
+from osdp_lightning.profiling.recorder import (
+    LiveStorageBytes,
+    StepRecorder,
+    flat_tensors,
+    storage_key,
+)
 from osdp_lightning.profiling.units import ROOT, UnitSpec
 from osdp_lightning.runtime.guards import preserved_rng
 
@@ -159,13 +162,6 @@ def step_runner(module: nn.Module, batch: object, precision: str = "32-true") ->
             out = module(*batch) if isinstance(batch, tuple) else module(batch)
         return sum(t.float().sum() for t in flat_tensors(out))
     return run_forward
-
-
-def flat_tensors(obj: object) -> list[torch.Tensor]:
-    """Every tensor inside ``obj`` (any pytree: tuples, dicts, dataclasses torch knows)."""
-    found: list[torch.Tensor] = []
-    tree_map_only(torch.Tensor, found.append, obj)
-    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,7 +323,7 @@ class _BackwardFlops:
         return hook
 
 
-class _LiveBytes(TorchDispatchMode):
+class _LiveBytes(LiveStorageBytes):
     """Bytes of the tensors a step creates, apart from parameter gradients once accumulated, at the
     moment the step's memory (those bytes plus the gradients) peaks.
 
@@ -340,11 +336,8 @@ class _LiveBytes(TorchDispatchMode):
     """
 
     def __init__(self, existing: set[int]) -> None:
-        super().__init__()
-        self.existing = existing
-        """Storage keys that are not the step's (parameters, buffers: views of them cost nothing)."""
-        self.live: dict[int, int] = {}
-        self.current = self.grads = self.peak_total = self.at_peak = 0
+        super().__init__(existing)
+        self.grads = self.peak_total = self.at_peak = 0
         self.open: dict[str, tuple[int, int]] = {}
         """Units in backward: the total at its start and the most since."""
         self.rises: dict[str, int] = {}
@@ -359,30 +352,15 @@ class _LiveBytes(TorchDispatchMode):
             start, most = self.open.pop(name)
             self.rises[name] = max(self.rises.get(name, 0), most - start)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
-        for tensor in flat_tensors(out):
-            storage = storage_of(tensor)
-            key = storage._cdata
-            if key not in self.live and key not in self.existing:
-                self.live[key] = storage.nbytes()
-                self.current += self.live[key]
-                weakref.finalize(storage, self.forget, key)
-        self._update_peak()
-        return out
-
-    def forget(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
-
     def mark_gradient(self, key: int) -> None:
         """A parameter's gradient: counted in the total from now on, no longer as the step's own."""
         nbytes = self.live.pop(key, 0)
         self.current -= nbytes
         self.grads += nbytes
         self.existing.add(key)
-        self._update_peak()
+        self.after_op()
 
-    def _update_peak(self) -> None:
+    def after_op(self) -> None:
         total = self.current + self.grads
         if total >= self.peak_total:
             self.peak_total, self.at_peak = total, self.current

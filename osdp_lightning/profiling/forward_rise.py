@@ -12,53 +12,27 @@ any device and on fake tensors.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from osdp_lightning.profiling.recorder import storage_key, storage_of
+from osdp_lightning.profiling.recorder import LiveStorageBytes, storage_key
 from osdp_lightning.profiling.units import ROOT, UnitSpec
 
 
-class _LiveForwardBytes(TorchDispatchMode):
-    """Bytes of the storages made since it started that are still alive, and per open unit call
-    the total when it started and the most since."""
+class _LiveForwardBytes(LiveStorageBytes):
+    """The live bytes of the forward's own storages, and per open unit call the total when it
+    started and the most since."""
 
     def __init__(self, existing: set[int]) -> None:
-        super().__init__()
-        self.existing = existing
-        """Storage keys that are not the forward's (parameters, buffers, the batch)."""
-        self.live: dict[int, int] = {}
-        self.current_bytes = 0
+        super().__init__(existing)
         self.open: list[list[int]] = []
         """Per unit call in progress: [bytes at its start, most bytes since]."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
-        for tensor in _tensors(out):
-            storage = storage_of(tensor)
-            key = storage._cdata
-            if key not in self.live and key not in self.existing:
-                self.live[key] = storage.nbytes()
-                self.current_bytes += self.live[key]
-                weakref.finalize(storage, self._forget, key)
+    def after_op(self) -> None:
         for call in self.open:
-            call[1] = max(call[1], self.current_bytes)
-        return out
-
-    def _forget(self, key: int) -> None:
-        self.current_bytes -= self.live.pop(key, 0)
-
-
-def _tensors(obj: object) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item)
+            call[1] = max(call[1], self.current)
 
 
 def forward_rises(root: nn.Module, specs: Sequence[UnitSpec], run_loss: Callable[[], torch.Tensor]
@@ -72,7 +46,7 @@ def forward_rises(root: nn.Module, specs: Sequence[UnitSpec], run_loss: Callable
     rises: dict[str, int] = {}
 
     def started(_module: nn.Module, _args: object) -> None:
-        tracker.open.append([tracker.current_bytes, tracker.current_bytes])
+        tracker.open.append([tracker.current, tracker.current])
 
     def ended(name: str) -> Callable[[nn.Module, object, object], None]:
         def hook(_module: nn.Module, _args: object, _out: object) -> None:

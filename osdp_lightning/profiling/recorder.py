@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from osdp_lightning.profiling.units import ROOT, UnitSpec, owned_params
@@ -37,6 +39,44 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
 
 def storage_key(t: torch.Tensor) -> int:
     return storage_of(t)._cdata
+
+
+def flat_tensors(obj: object) -> list[torch.Tensor]:
+    """Every tensor inside ``obj`` (any pytree: tuples, dicts, dataclasses torch knows)."""
+    found: list[torch.Tensor] = []
+    tree_map_only(torch.Tensor, found.append, obj)
+    return found
+
+
+class LiveStorageBytes(TorchDispatchMode):
+    """Bytes of the storages operations made under it that are still alive (``current``), those in
+    ``existing`` (parameters, buffers, the batch) left out; on any device and on fake tensors.
+    Subclasses read the figure after each operation (:meth:`after_op`)."""
+
+    def __init__(self, existing: set[int]) -> None:
+        super().__init__()
+        self.existing = existing
+        """Storage keys that are not the run's own (views of them cost nothing)."""
+        self.live: dict[int, int] = {}
+        self.current = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for tensor in flat_tensors(out):
+            storage = storage_of(tensor)
+            key = storage._cdata
+            if key not in self.live and key not in self.existing:
+                self.live[key] = storage.nbytes()
+                self.current += self.live[key]
+                weakref.finalize(storage, self.forget, key)
+        self.after_op()
+        return out
+
+    def after_op(self) -> None:
+        """Called after every operation, with ``current`` up to date."""
+
+    def forget(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
 
 
 class StepRecorder:
