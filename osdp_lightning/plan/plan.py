@@ -323,8 +323,8 @@ def _infeasible(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: Cluster
     budget, batch = cluster.memory_budget_bytes, min(t.micro_batch_size for _, t in tables)
     headroom = cluster.headroom_for(budget)
     rule = _headroom_rule(cluster) + (f" and {format_bytes(cluster.untracked_bytes)} untracked "
-                                      f"({cluster.untracked_reason})" if cluster.kept_free_bytes(budget) > headroom
-                                      else "")
+                                      f"({cluster.untracked_reason})"
+                                      if cluster.untracked_counted and cluster.untracked_bytes else "")
     untracked = f" and {format_bytes(cluster.untracked_bytes)} untracked" if cluster.untracked_bytes else ""
     fix = (f"the smallest budget that fits is {format_bytes(smallest)} ({smallest} bytes, of which "
            f"{format_bytes(cluster.headroom_for(smallest))} headroom{untracked}; "
