@@ -73,6 +73,7 @@ def test_the_named_smallest_budget_plans_and_one_byte_less_does_not(seed: int) -
     except InfeasibleBudgetError as err:
         smallest = smallest_named(err)
         assert smallest > budget and ("untracked (measured)" in str(err)) == bool(untracked)
+        assert ("budget_covers='tensors'" in str(err)) == bool(untracked)  # the other way out, named
         fits = make_plan(profile, cluster(smallest, headroom_bytes, fraction, untracked))
         assert fits.predicted_peak_bytes <= cluster(smallest, headroom_bytes, fraction, untracked).usable_bytes
         with pytest.raises(InfeasibleBudgetError) as below:

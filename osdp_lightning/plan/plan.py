@@ -326,6 +326,8 @@ def _infeasible(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: Cluster
                                       f"({cluster.untracked_reason})"
                                       if cluster.untracked_counted and cluster.untracked_bytes else "")
     untracked = f" and {format_bytes(cluster.untracked_bytes)} untracked" if cluster.untracked_bytes else ""
+    tensors_only = (", or bound only the priced tensors (budget_covers='tensors')"
+                    if cluster.untracked_counted and cluster.untracked_bytes else "")
     fix = (f"the smallest budget that fits is {format_bytes(smallest)} ({smallest} bytes, of which "
            f"{format_bytes(cluster.headroom_for(smallest))} headroom{untracked}; "
            f"memory_budget={format_budget(smallest)!r})")
@@ -334,12 +336,12 @@ def _infeasible(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: Cluster
             f"the memory budget of {format_bytes(budget)} per rank is not more than the headroom plans keep free, "
             f"{format_bytes(headroom)}{rule}: nothing fits. At micro-batch "
             f"{batch} on {cluster.world_size} ranks {fix}. Raise memory_budget, or lower the headroom "
-            "(cluster.headroom in the cluster config, or the strategy's headroom=)")
+            f"(cluster.headroom in the cluster config, or the strategy's headroom=){tensors_only}")
     return InfeasibleBudgetError(
         f"no plan fits the memory budget of {format_bytes(budget)} per rank, less {format_bytes(headroom)} "
         f"headroom{rule}: {format_bytes(cluster.usable_bytes)} usable (micro-batch {batch}, {cluster.world_size} "
         f"ranks); {fix}: raise memory_budget, lower the headroom (cluster.headroom / the strategy's headroom=) "
-        "or the micro-batch size, or add ranks")
+        f"or the micro-batch size, or add ranks{tensors_only}")
 
 
 def _headroom_rule(cluster: ClusterSpec) -> str:
