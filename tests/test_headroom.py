@@ -7,6 +7,7 @@ headroom is refused naming both figures and what to change.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 import sys
@@ -74,11 +75,15 @@ def test_the_named_smallest_budget_plans_and_one_byte_less_does_not(seed: int) -
         smallest = smallest_named(err)
         assert smallest > budget and ("untracked (measured)" in str(err)) == bool(untracked)
         assert ("budget_covers='tensors'" in str(err)) == bool(untracked)  # the other way out, named
-        fits = make_plan(profile, cluster(smallest, headroom_bytes, fraction, untracked))
-        assert fits.predicted_peak_bytes <= cluster(smallest, headroom_bytes, fraction, untracked).usable_bytes
+        # a later launch may measure up to half again the untracked growth: the named budget fits it
+        # then, and one byte less does not
+        later = math.ceil(1.5 * untracked)
+        fits = make_plan(profile, cluster(smallest, headroom_bytes, fraction, later))
+        assert fits.predicted_peak_bytes <= cluster(smallest, headroom_bytes, fraction, later).usable_bytes
         with pytest.raises(InfeasibleBudgetError) as below:
-            make_plan(profile, cluster(smallest - 1, headroom_bytes, fraction, untracked))
-        assert smallest_named(below.value) == smallest  # the same figure from one byte below
+            make_plan(profile, cluster(smallest - 1, headroom_bytes, fraction, later))
+        if not untracked:
+            assert smallest_named(below.value) == smallest  # the same figure from one byte below
     else:
         assert plan.predicted_peak_bytes <= cluster(budget, headroom_bytes, fraction, untracked).usable_bytes
         assert plan.untracked_bytes == untracked

@@ -71,9 +71,11 @@ def test_plans_keep_the_untracked_bytes_free_beside_the_headroom() -> None:
                        bandwidth_bytes_per_s=1e9, headroom_fraction=0.025, untracked_bytes=16 * MIB)
     assert spec.usable_bytes == 480 * MIB - 12 * MIB - 16 * MIB
     assert spec.kept_free_bytes(400 * MIB) == 10 * MIB + 16 * MIB
-    smallest = spec.smallest_budget_for(440 * MIB)  # exact: one byte less falls short
-    assert smallest - spec.kept_free_bytes(smallest) >= 440 * MIB
-    assert (smallest - 1) - spec.kept_free_bytes(smallest - 1) < 440 * MIB
+    # a budget named in bytes leaves room for a later launch measuring half again (24 MiB); exact there
+    assert spec.named_untracked_bytes == 24 * MIB
+    smallest = spec.smallest_budget_for(440 * MIB)
+    assert smallest - spec.headroom_for(smallest) - 24 * MIB >= 440 * MIB
+    assert (smallest - 1) - spec.headroom_for(smallest - 1) - 24 * MIB < 440 * MIB
     with pytest.raises(ValueError, match="untracked"):
         ClusterSpec(world_size=2, memory_budget_bytes=MIB, collective_latency_s=0.0, bandwidth_bytes_per_s=1.0,
                     untracked_bytes=-1)

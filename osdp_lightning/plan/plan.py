@@ -325,7 +325,8 @@ def _infeasible(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: Cluster
     rule = _headroom_rule(cluster) + (f" and {format_bytes(cluster.untracked_bytes)} untracked "
                                       f"({cluster.untracked_reason})"
                                       if cluster.untracked_counted and cluster.untracked_bytes else "")
-    untracked = f" and {format_bytes(cluster.untracked_bytes)} untracked" if cluster.untracked_bytes else ""
+    untracked = (f" and {format_bytes(cluster.named_untracked_bytes)} untracked, half again what this launch "
+                 "measured: the next measures its own" if cluster.untracked_bytes else "")
     tensors_only = (", or bound only the priced tensors (budget_covers='tensors')"
                     if cluster.untracked_counted and cluster.untracked_bytes else "")
     fix = (f"the smallest budget that fits is {format_bytes(smallest)} ({smallest} bytes, of which "
