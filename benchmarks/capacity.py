@@ -175,12 +175,14 @@ def describe(record: dict[str, Any]) -> str:
 
 
 def used_share(report: dict[str, Any], method: str, record: dict[str, Any]) -> str:
-    """What the ranks used above their fixed cost, over the limit: osdp's own figure (the largest
-    rank's resident high-water above the fixed cost it measured at setup), else rank 0's resident
-    high-water (``VmHWM``) above the method's 1 x 64 run's."""
-    above = record["summary"].get("process_above_fixed_bytes")
+    """What the ranks used above their fixed cost, over the limit: osdp's own figures (the largest
+    rank's resident high-water above the fixed cost it measured at setup, and its own memory's:
+    less the code pages loaded since, which a limit reclaims), else rank 0's resident high-water
+    (``VmHWM``) above the method's 1 x 64 run's."""
+    above, own = (record["summary"].get(key) for key in ("process_above_fixed_bytes", "own_above_fixed_bytes"))
     if above:
-        return f"above its fixed cost {above / report['limit_bytes']:.3f}x"
+        return (f"above its fixed cost {above / report['limit_bytes']:.3f}x"
+                + (f", own memory {own / report['limit_bytes']:.3f}x" if own else ""))
     fixed, process = report["fixed_cost_bytes"][method], record["process"]
     return f"HWM {(process['VmHWM'] - fixed['VmHWM']) / report['limit_bytes']:.2f}x"
 
@@ -213,8 +215,9 @@ def format_report(report: dict[str, Any], sizes: list[int]) -> str:
         f"commit {report['commit']}, load average {report['load_average']}, args {report['args']}", "",
         *rows, "", "largest trained: " + ", ".join(f"{m} {n} layers" for m, n in largest.items()),
         "throughput: median step after warm-up, one run per cell (tokens/s over both ranks); in brackets what "
-        "the process used over the limit: osdp's largest rank above the fixed cost it measured at setup, else rank 0's "
-        "resident high-water above the method's 1 x 64 run's", ""])
+        "the process used over the limit: osdp's largest rank's resident high-water above the fixed cost it measured at "
+        "setup, and its own memory's (less the code pages loaded since, which a limit reclaims before it ends a process), "
+        "else rank 0's resident high-water above the method's 1 x 64 run's", ""])
 
 
 if __name__ == "__main__":

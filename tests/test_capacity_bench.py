@@ -44,10 +44,11 @@ def test_the_report_says_what_trained_what_was_refused_and_what_osdp_used() -> N
         "fixed_cost_bytes": {"fsdp2-ckpt": {"VmHWM": 430 * MIB, "VmData": 450 * MIB, "limit": 27 * MIB},
                              "osdp": {"VmHWM": 431 * MIB, "VmData": 449 * MIB, "limit": 29 * MIB}},
         "results": {"fsdp2-ckpt": {4: {**ok, "summary": {"tokens_per_s": 370.0}}, 7: {"status": "failed"}},
-                    "osdp": {4: {**ok, "summary": {"tokens_per_s": 433.0, "process_above_fixed_bytes": 478 * MIB}},
+                    "osdp": {4: {**ok, "summary": {"tokens_per_s": 433.0, "process_above_fixed_bytes": 478 * MIB,
+                                                                 "own_above_fixed_bytes": 466 * MIB}},
                              7: {"status": "infeasible"}}}}
     text = format_report(report, [4, 7])
-    assert "| 4 | 28.7M | 370 tok/s (HWM 0.98x) | 433 tok/s (above its fixed cost 0.996x) |" in text
+    assert "| 4 | 28.7M | 370 tok/s (HWM 0.98x) | 433 tok/s (above its fixed cost 0.996x, own memory 0.971x) |" in text
     assert "| 7 | ? | fails | infeasible |" in text
     assert "largest trained: fsdp2-ckpt 4 layers, osdp 4 layers" in text
     assert "held by cgroup" in text and "fsdp2-ckpt 27.00 MiB, osdp 29.00 MiB" in text

@@ -46,3 +46,5 @@ def test_main_job_shows_a_mixed_plan_its_comparison_picture_and_logged_predictio
     # and above the fixed cost osdp measured at setup (what a CPU budget bounds): less than the whole process
     assert 0 < summary["process_above_fixed_bytes"] < summary["process_peak_bytes"]
     assert "above the fixed cost measured at setup" in out
+    # its own memory (less the code pages loaded since setup, resident at the peak): at most that
+    assert 0 < summary["own_above_fixed_bytes"] <= summary["process_above_fixed_bytes"]

@@ -99,3 +99,24 @@ def test_what_a_budget_covers_is_checked_where_it_is_written() -> None:
     assert OSDPConfig(budget_covers="tensors").budget_covers == "tensors"
     with pytest.raises(ValueError, match="budget_covers='everything'.*'process'.*'tensors'"):
         OSDPConfig(budget_covers="everything")
+
+
+def test_code_pages_at_peak_counts_the_file_pages_resident_before_the_high_water_last_rose(monkeypatch) -> None:
+    statuses = iter([{"VmHWM": 500, "RssFile": 110}, {"VmHWM": 500, "RssFile": 120},
+                     {"VmHWM": 700, "RssFile": 125}, {"VmHWM": 700, "RssFile": 140}])
+    monkeypatch.setattr(process_memory, "process_status_bytes", lambda *fields: next(statuses))
+    pages = process_memory.CodePagesAtPeak(100)
+    pages.sample()  # the high-water rose after the fixed cost's measurement: only its pages are sure
+    assert pages.loaded_before_peak_bytes == 0
+    pages.sample()
+    pages.sample()  # it rose again after the sample that read 120
+    assert pages.loaded_before_peak_bytes == 20
+    pages.sample()  # pages loaded after the peak are not counted
+    assert pages.loaded_before_peak_bytes == 20
+
+
+def test_code_pages_at_peak_reads_this_process() -> None:
+    pages = process_memory.CodePagesAtPeak(process_memory.file_bytes())
+    pages.sample()
+    assert pages.loaded_before_peak_bytes == 0
+    assert process_memory.file_bytes() > 0

@@ -11,7 +11,10 @@ allocator's most reserved bytes, on CPU the resident set's high-water mark (``Vm
 counts the interpreter, torch, Lightning and gloo; run with ``MALLOC_MMAP_THRESHOLD_=65536`` so
 that freed large tensors leave the set). Under the osdp strategy on CPU the summary also gives the
 largest rank's high-water above the fixed cost osdp measured at setup
-(``process_above_fixed_bytes``): what its budget bounds (:mod:`osdp_lightning.runtime.process_memory`).
+(``process_above_fixed_bytes``), and that figure less the code pages loaded after setup that were
+resident at the high-water's peak (``own_above_fixed_bytes``: the process's own memory, what a
+memory limit ends a process for; file pages it reclaims first): what its budget bounds
+(:mod:`osdp_lightning.runtime.process_memory`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing_extensions import override
 from osdp_lightning.cost.budget import format_bytes
 from osdp_lightning.profiling.profile import module_snapshots
 from osdp_lightning.report.report import log_measured
-from osdp_lightning.runtime.process_memory import high_water_bytes
+from osdp_lightning.runtime.process_memory import CodePagesAtPeak, high_water_bytes
 
 WARMUP_STEPS = 2
 
@@ -65,15 +68,21 @@ class TrainingSummary(Callback):
         self._last_loss: float | None = None
         self._setup_peak_bytes = 0
         self._process_peak_bytes = 0
+        self._code_pages: CodePagesAtPeak | None = None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._setup_peak_bytes = process_peak_bytes(trainer.strategy.root_device)
+        if (file_then := getattr(trainer.strategy, "fixed_file_bytes", 0)) and trainer.strategy.root_device.type == "cpu":
+            self._code_pages = CodePagesAtPeak(file_then)
+            self._code_pages.sample()
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._step_starts.append(time.perf_counter())
+        if self._code_pages is not None:
+            self._code_pages.sample()
         if not self._samples_per_step:
             first = _first_tensor(batch)
             self._samples_per_step = (int(first.shape[0]) if first is not None and first.dim() else 1)
@@ -88,6 +97,8 @@ class TrainingSummary(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self._code_pages is not None:
+            self._code_pages.sample()
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self._last_loss = float(loss.detach())
@@ -113,9 +124,12 @@ class TrainingSummary(Callback):
         fixed = getattr(strategy, "fixed_cost_bytes", 0)
         # NOTE: each rank above its own fixed cost, the largest: what a per-rank budget bounds on CPU
         above = process - fixed if fixed and strategy.root_device.type == "cpu" else 0
-        setup_peak, process_peak, above_fixed = (
+        if self._code_pages is not None:
+            self._code_pages.sample()
+        own = above - self._code_pages.loaded_before_peak_bytes if above and self._code_pages is not None else 0
+        setup_peak, process_peak, above_fixed, own_above_fixed = (
             int(strategy.reduce(torch.tensor(float(b), device=strategy.root_device), reduce_op="max").item())
-            for b in (self._setup_peak_bytes, process, above))
+            for b in (self._setup_peak_bytes, process, above, own))
         loss = strategy.reduce(torch.tensor(self._last_loss if self._last_loss is not None else float("nan"),
                                             device=strategy.root_device), reduce_op="mean")
         plan = getattr(strategy, "_plan", None)
@@ -126,7 +140,7 @@ class TrainingSummary(Callback):
             "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * self._tokens_per_sample,
             "peak_bytes": int(peak.item()), "memory_budget_bytes": budget,
             "setup_peak_bytes": setup_peak, "process_peak_bytes": process_peak,
-            "process_above_fixed_bytes": above_fixed,
+            "process_above_fixed_bytes": above_fixed, "own_above_fixed_bytes": own_above_fixed,
             "predicted_peak_bytes": getattr(plan, "predicted_peak_bytes", None),
             "predicted_step_s": getattr(plan, "predicted_step_s", None),
             "final_loss": float(loss.item()), "world_size": world, "micro_batch_size": self._samples_per_step,
@@ -161,7 +175,9 @@ class TrainingSummary(Callback):
             lines.insert(3, f"high-water mark per rank ({what}): after setup {format_bytes(s['setup_peak_bytes'])}, "
                             f"after training {format_bytes(s['process_peak_bytes'])}"
                             + (f"; above the fixed cost measured at setup {format_bytes(s['process_above_fixed_bytes'])}"
-                               if s.get("process_above_fixed_bytes") else ""))
+                               if s.get("process_above_fixed_bytes") else "")
+                            + (f" ({format_bytes(s['own_above_fixed_bytes'])} without the code pages loaded since)"
+                               if s.get("own_above_fixed_bytes") else ""))
         if s["memory_budget_bytes"]:
             ratio = s["peak_bytes"] / s["memory_budget_bytes"]
             lines[2] += f" of budget {format_bytes(s['memory_budget_bytes'])} ({100 * ratio:.1f}%)"

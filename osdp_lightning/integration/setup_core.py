@@ -69,6 +69,7 @@ from osdp_lightning.runtime.faults import all_ranks_succeed, broadcast_object, p
 from osdp_lightning.runtime.meshes import Meshes, build_meshes
 from osdp_lightning.runtime.process_memory import (
     anonymous_bytes,
+    file_bytes,
     fixed_cost_bytes,
     module_tensor_bytes,
     untracked_growth_bytes,
@@ -115,6 +116,12 @@ class SetupView:
         """This rank's fixed cost a CPU budget is counted above (0: not measured: CUDA, no /proc, a
         given plan)."""
         return self._core.fixed_cost_bytes if self._core is not None else 0
+
+    @property
+    def fixed_file_bytes(self) -> int:
+        """The file pages (code, mapped files) of this rank's resident set when its fixed cost was
+        measured (0: not measured)."""
+        return self._core.fixed_file_bytes if self._core is not None else 0
 
 
 class ConfigOptions:
@@ -216,6 +223,8 @@ class OSDPSetup:
         self.fixed_cost_bytes = 0
         """This rank's resident set once calibrated, less the model's CPU tensors: what the process
         holds whatever the model; a CPU budget bounds the resident set above it (0: not measured)."""
+        self.fixed_file_bytes = 0
+        """The file pages (code, mapped files) of that resident set."""
         self._untracked_bytes = 0
         self.compile_s = 0.0
         """Seconds this rank spent compiling units while profiling (``compile="units"``)."""
@@ -306,7 +315,7 @@ class OSDPSetup:
         """The fixed cost a CPU budget is counted above: this rank's resident set once calibration has
         warmed up torch, gloo and osdp's machinery, less the model's tensors (every rank its own)."""
         if self.ranks.device.type == "cpu":
-            self.fixed_cost_bytes = fixed_cost_bytes(module)
+            self.fixed_cost_bytes, self.fixed_file_bytes = fixed_cost_bytes(module), file_bytes()
 
     def _on_rank_zero(self, work: Callable[[], Any]) -> Any:
         """``work()`` on rank 0, its result on every rank; its error raised on every rank (also one

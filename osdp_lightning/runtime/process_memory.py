@@ -12,7 +12,11 @@ A budget bounds what the process uses on its device, not only the tensors of one
 Beside the tensors the memory model tracks, the process's own memory grows by what no tracker
 sees (malloc's and autograd's bookkeeping, caches); osdp measures that growth where it does real
 work at setup (:func:`untracked_growth_bytes`) and plans keep it free. Code pages loaded on first
-use are shared files: the resident high-water counts them, the growth plans keep free does not.
+use are file pages shared with every process that maps the same library: a memory limit (a cgroup,
+as containers and SLURM hold a job) reclaims them before it ends a process, and the growth plans
+keep free does not count them. The resident high-water does: :class:`CodePagesAtPeak` bounds how
+much of it they were, so that a run can report its own memory's high-water (resident set less
+file pages) above its fixed cost as well.
 """
 
 from __future__ import annotations
@@ -49,6 +53,12 @@ def anonymous_bytes() -> int:
     files; 0 where /proc is missing): the process's own memory. Code pages loaded on first use are
     shared files, and pages reserved but never touched take no memory."""
     return process_status_bytes("RssAnon").get("RssAnon", 0)
+
+
+def file_bytes() -> int:
+    """The file-backed part of the resident set (``RssFile``: code pages and mapped files; 0 where
+    /proc is missing)."""
+    return process_status_bytes("RssFile").get("RssFile", 0)
 
 
 def high_water_bytes() -> int:
@@ -102,6 +112,35 @@ def untracked_growth_bytes(anonymous_before: int, anonymous_after: int, tensors_
     if not (anonymous_before and anonymous_after):
         return 0
     return max((anonymous_after - anonymous_before) - (tensors_after - tensors_before), 0)
+
+
+class CodePagesAtPeak:
+    """A lower bound of the file pages resident when the resident set last reached its high-water
+    mark, from samples of ``VmHWM`` and ``RssFile`` (:meth:`sample`, e.g. at every step's start and
+    end). File pages only grow while nothing reclaims them, so those resident at the start of the
+    interval in which the high-water last rose were resident at its peak too: the high-water less
+    them bounds the process's own memory at its peak from above.
+
+    ``file_bytes_then``: the file pages when sampling starts (at the fixed cost's measurement).
+    """
+
+    def __init__(self, file_bytes_then: int) -> None:
+        self.start_bytes = self.floor_bytes = self._last_file_bytes = file_bytes_then
+        self._last_high_water_bytes = 0
+
+    def sample(self) -> None:
+        status = process_status_bytes("VmHWM", "RssFile")
+        if not status:
+            return
+        if status["VmHWM"] > self._last_high_water_bytes:  # it rose since the last sample: after that one's pages
+            self.floor_bytes, self._last_high_water_bytes = self._last_file_bytes, status["VmHWM"]
+        self._last_file_bytes = status["RssFile"]
+
+    @property
+    def loaded_before_peak_bytes(self) -> int:
+        """File pages loaded since sampling started that were resident at the high-water's peak (a
+        lower bound; never negative)."""
+        return max(self.floor_bytes - self.start_bytes, 0)
 
 
 def prefer_expandable_segments() -> bool:
