@@ -120,7 +120,7 @@ def best_plan(model: Callable[[], nn.Module], profile: ModelProfile, cluster: Cl
     usable = cluster.usable_bytes
     plans = [dry_run_plan(model, None, cluster, profile=profile, uniform_choice=uniform, micro_batch_sizes=(b,))
              for b in micro_batches]
-    return max((p for p in plans if p.predicted_peak_bytes <= usable), key=lambda p: p.predicted_throughput,
+    return max((p for p in plans if p.bounded_peak_bytes <= usable), key=lambda p: p.predicted_throughput,
                default=None)
 
 

@@ -7,6 +7,7 @@ headroom is refused naming both figures and what to change.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import re
@@ -33,10 +34,12 @@ def smallest_named(error: InfeasibleBudgetError) -> int:
     return int(match.group(1))
 
 
-def cluster(budget: int, headroom_bytes: int = 0, headroom_fraction: float = 0.0, untracked_bytes: int = 0) -> ClusterSpec:
+def cluster(budget: int, headroom_bytes: int = 0, headroom_fraction: float = 0.0, untracked_bytes: int = 0,
+            by_kind: bool = False) -> ClusterSpec:
     return ClusterSpec(world_size=4, memory_budget_bytes=budget, collective_latency_s=1e-5,
                        bandwidth_bytes_per_s=1e10, headroom_bytes=headroom_bytes, headroom_fraction=headroom_fraction,
-                       untracked_bytes=untracked_bytes, untracked_reason="measured" if untracked_bytes else "")
+                       untracked_bytes=untracked_bytes, untracked_reason="measured" if untracked_bytes else "",
+                       headroom_by_kind=by_kind)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -64,13 +67,14 @@ def synthetic_profile(seed: int) -> ModelProfile:
 def test_the_named_smallest_budget_plans_and_one_byte_less_does_not(seed: int) -> None:
     rng = random.Random(100 + seed)
     profile = synthetic_profile(seed)
-    rule = rng.choice(("bytes", "share", "both"))
-    headroom_bytes = rng.randint(1, 4 * 10**7) if rule != "share" else 0
-    fraction = rng.uniform(0.01, 0.6) if rule != "bytes" else 0.0
+    rule = rng.choice(("bytes", "share", "both", "by_kind"))
+    headroom_bytes = rng.randint(1, 4 * 10**7) if rule in ("bytes", "both") else 0
+    fraction = rng.uniform(0.01, 0.6) if rule in ("share", "both") else 0.0
     untracked = rng.choice((0, rng.randint(1, 10**7)))  # what the process grows by beyond tensors, kept free too
     budget = rng.randint(10**5, 6 * 10**7)  # from below the headroom to roomy
+    spec = functools.partial(cluster, by_kind=rule == "by_kind")  # each choice's bytes grown by its kind's share
     try:
-        plan = make_plan(profile, cluster(budget, headroom_bytes, fraction, untracked))
+        plan = make_plan(profile, spec(budget, headroom_bytes, fraction, untracked))
     except InfeasibleBudgetError as err:
         smallest = smallest_named(err)
         assert smallest > budget and ("untracked (measured)" in str(err)) == bool(untracked)
@@ -78,15 +82,16 @@ def test_the_named_smallest_budget_plans_and_one_byte_less_does_not(seed: int) -
         # a later launch may measure up to half again the untracked growth: the named budget fits it
         # then, and one byte less does not
         later = math.ceil(1.5 * untracked)
-        fits = make_plan(profile, cluster(smallest, headroom_bytes, fraction, later))
-        assert fits.predicted_peak_bytes <= cluster(smallest, headroom_bytes, fraction, later).usable_bytes
+        fits = make_plan(profile, spec(smallest, headroom_bytes, fraction, later))
+        assert fits.bounded_peak_bytes <= spec(smallest, headroom_bytes, fraction, later).usable_bytes
         with pytest.raises(InfeasibleBudgetError) as below:
-            make_plan(profile, cluster(smallest - 1, headroom_bytes, fraction, later))
+            make_plan(profile, spec(smallest - 1, headroom_bytes, fraction, later))
         if not untracked:
             assert smallest_named(below.value) == smallest  # the same figure from one byte below
     else:
-        assert plan.predicted_peak_bytes <= cluster(budget, headroom_bytes, fraction, untracked).usable_bytes
+        assert plan.bounded_peak_bytes <= spec(budget, headroom_bytes, fraction, untracked).usable_bytes
         assert plan.untracked_bytes == untracked
+        assert (plan.kind_headroom_bytes > 0) == (rule == "by_kind")
 
 
 def test_a_budget_at_the_headroom_names_both_and_what_to_change() -> None:
@@ -114,12 +119,13 @@ def test_a_plan_says_the_headroom_it_keeps_and_which_rule_set_it() -> None:
     )
 
     cpu = plan_headroom(None, torch.device("cpu")).reason
-    assert "CPU default" in cpu and f"({100 * LARGEST_MEASURED_MISS:.1f}%)" in cpu
+    assert "CPU default, by kind" in cpu and plan_headroom(None, torch.device("cpu")).by_kind
     assert LARGEST_MEASURED_MISS < PLAN_HEADROOM_FRACTION < SHARED_CORES_HEADROOM_FRACTION
     cores = _num_cpus_available()
-    assert plan_headroom(None, torch.device("cpu"), ranks_per_node=cores).share == PLAN_HEADROOM_FRACTION
+    assert plan_headroom(None, torch.device("cpu"), ranks_per_node=cores).by_kind
     shared = plan_headroom(None, torch.device("cpu"), ranks_per_node=cores + 1)
     assert shared.share == SHARED_CORES_HEADROOM_FRACTION and f"{cores + 1} ranks sharing {cores} cores" in shared.reason
+    assert not shared.by_kind
     assert plan_headroom(0.02, torch.device("cpu")) == PlanHeadroom(0, 0.02, "as the strategy's headroom= says")
     cuda = plan_headroom(None, torch.device("cuda"), 0.03)
     assert cuda.share == pytest.approx(UNMEASURED_HEADROOM_FRACTION + 0.03)
@@ -128,6 +134,33 @@ def test_a_plan_says_the_headroom_it_keeps_and_which_rule_set_it() -> None:
     plan = make_plan(synthetic_profile(1), spec)
     assert plan.headroom_bytes == int(0.04 * 2**30) and plan.headroom_reason == cpu
     assert f"headroom kept free 40.96 MiB (4.0%: {cpu})" in plan.format_table()
+
+
+def test_headroom_by_kind_grows_each_choice_by_its_kinds_share_and_the_plan_says_which() -> None:
+    from osdp_lightning.choices import kept_share
+    from osdp_lightning.plan.choice_table import build_choice_table, kept_free_table
+    from osdp_lightning.solve import peak_bytes
+
+    profile = synthetic_profile(3)
+    spec = cluster(2**30, by_kind=True)
+    table = build_choice_table(profile, spec)
+    kept = kept_free_table(table)
+    for unit, grown in zip(table.units, kept.units, strict=True):
+        for cost, more in zip(unit.choices, grown.choices, strict=True):
+            share = kept_share(cost.choice)
+            assert more.state_bytes == math.ceil(cost.state_bytes * (1 + share))
+            assert more.transient_bytes == math.ceil(cost.transient_bytes * (1 + share))
+            assert (more.compute_s, more.comm_s) == (cost.compute_s, cost.comm_s)  # bytes only
+    plan = make_plan(profile, spec)
+    choices = tuple(u.choice for u in plan.units)
+    shares = [kept_share(c) for c in choices]
+    assert plan.kind_headroom_bytes == peak_bytes(kept, choices) - plan.predicted_peak_bytes
+    assert min(shares) * plan.predicted_peak_bytes <= plan.kind_headroom_bytes
+    assert plan.headroom_bytes == plan.kind_headroom_bytes
+    assert all(f"{c} {100 * kept_share(c):.1f}%" in plan.headroom_reason for c in set(choices))
+    # at its own bounded peak the same plan still fits; a byte less and the solver must give something up
+    tight = cluster(plan.bounded_peak_bytes, by_kind=True)
+    assert make_plan(profile, tight).bounded_peak_bytes <= plan.bounded_peak_bytes
 
 
 # -- the three cases: osdp-plan model=gpt_small cluster=a100_80g_x8 (a dry run) ------------------

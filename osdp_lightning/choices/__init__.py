@@ -34,6 +34,7 @@ from osdp_lightning.choices.base import (
 from osdp_lightning.choices.groups import hsdp_choice, zero3_reshard_choice
 from osdp_lightning.choices.split import choice as split_choice
 from osdp_lightning.cost.aliases import ALIASES, BASELINES
+from osdp_lightning.cost.budget import PLAN_HEADROOM_FRACTION
 from osdp_lightning.runtime import compile as runtime_compile
 
 if TYPE_CHECKING:
@@ -51,6 +52,15 @@ register_modifier(checkpointing.MODIFIER)
 
 REPLICATE, ZERO2, ZERO3 = replicate.CHOICE, zero2.CHOICE, zero3.CHOICE
 BASE_CHOICES: tuple[Choice, ...] = (REPLICATE, ZERO2, ZERO3)
+
+
+def kept_share(choice: Choice | str) -> float:
+    """The share of a choice's bytes a plan keeps free for what the memory model misses, under
+    headroom by kind: the largest of its family's and its modifiers' measured shares
+    (:class:`~osdp_lightning.choices.base.MemoryMiss`), the flat CPU default share for any not measured."""
+    choice = as_choice(choice)
+    misses = [family_of(choice).memory_miss, *(REGISTRY.modifiers[m].memory_miss for m in choice.modifiers)]
+    return max(PLAN_HEADROOM_FRACTION if miss is None else miss.kept_share for miss in misses)
 
 
 def resolve(name: str) -> Choice:
@@ -106,6 +116,6 @@ def mesh_group_sizes(choices: Iterable[Choice | str]) -> tuple[int, ...]:
 __all__ = [
     "ALIASES", "BASELINES", "BASE_CHOICES", "REGISTRY", "REPLICATE", "ZERO2", "ZERO3", "Choice", "ChoiceFamily",
     "ChoiceModifier", "ChoiceOptions", "apply_choice", "as_choice", "choice_cost", "choice_space", "family_of",
-    "hsdp_choice", "is_allowed", "is_known", "known_names", "mesh_group_sizes", "parse", "register",
+    "hsdp_choice", "is_allowed", "is_known", "kept_share", "known_names", "mesh_group_sizes", "parse", "register",
     "register_modifier", "resolve", "split_choice", "zero3_reshard_choice",
 ]

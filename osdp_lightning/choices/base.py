@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from osdp_lightning.cost.budget import MISS_MARGIN
 from osdp_lightning.cost.step_terms import Affine, GroupTerms, register_group_terms
 from osdp_lightning.runtime.replicate import ignored_for
 
@@ -195,6 +196,26 @@ def _nothing_to_connect(_root: nn.Module) -> None:
 
 
 @dataclass(frozen=True)
+class MemoryMiss:
+    """How far the memory model was measured to miss the tracked peak of plans of one kind of
+    choice (CPU, 2 gloo ranks): what that kind keeps free under headroom by kind
+    (:func:`osdp_lightning.choices.kept_share`)."""
+
+    under_share: float
+    """The largest under-prediction measured: measured peak over predicted, less 1 (0 if none was under)."""
+    spread_share: float
+    """The largest spread of one plan's peak over its launches, as a share of its least."""
+    basis: str
+    """Which plans and launches were measured."""
+
+    @property
+    def kept_share(self) -> float:
+        """The share of its bytes the kind keeps free: its miss and spread, and the margin every
+        measured figure keeps (:data:`~osdp_lightning.cost.budget.MISS_MARGIN`)."""
+        return self.under_share + self.spread_share + MISS_MARGIN
+
+
+@dataclass(frozen=True)
 class ChoiceFamily:
     """One family of choices: its name and parameters, its cost, how it is applied, and hooks for
     what the other stages do for it (each does nothing by default)."""
@@ -225,6 +246,9 @@ class ChoiceFamily:
     groups as another family's kinds)."""
     calibration: FamilyCalibration | None = None
     """How calibration measures its ``group_terms`` (``None``: it has none of its own)."""
+    memory_miss: MemoryMiss | None = None
+    """The memory model's measured miss on plans of this family (``None``: not measured; its
+    choices keep the flat CPU default share under headroom by kind)."""
 
     @property
     def signature(self) -> tuple[str, tuple[str, ...]]:
@@ -245,6 +269,8 @@ class ChoiceModifier:
     allowed: Callable[[UnitProfile, Choice, CostContext], bool] = _always
     measure: MeasureFn = _profile_unchanged
     """As :attr:`ChoiceFamily.measure` (``+ckpt``: which units' recomputation replays their forward)."""
+    memory_miss: MemoryMiss | None = None
+    """As :attr:`ChoiceFamily.memory_miss`, for choices with this modifier."""
 
 
 @dataclass

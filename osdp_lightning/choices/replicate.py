@@ -16,6 +16,7 @@ from osdp_lightning.choices.base import (
     Choice,
     ChoiceFamily,
     ChoiceOptions,
+    MemoryMiss,
     unit_modules,
     whole_unit_calibration,
 )
@@ -85,5 +86,13 @@ def connect(root: nn.Module) -> None:
     build_replicate_reducer(root)
 
 
+MEMORY_MISS = MemoryMiss(
+    under_share=0.006, spread_share=0.0,
+    basis="uniform replicate on four GPT shapes 0.1-0.4% under, mixed plans with it at most 0.6% under "
+          "(GPT 2 x 512 with zero3, zero2 and a split); every plan's peak the same in each launch")
+"""``./dev bench peak_spread`` (uniform plans, 2 launches each) and ``benchmarks.reprice_memory`` on the
+memory_model_* runs (docs/benchmarks), 2 gloo ranks on 2 cores."""
+
 FAMILY = ChoiceFamily(kind="replicate", param_names=(), cost=cost, space=space, apply=apply, finish=finish,
-                      connect=connect, group_terms=(TERMS,), calibration=whole_unit_calibration(TERMS.kind))
+                      connect=connect, group_terms=(TERMS,), calibration=whole_unit_calibration(TERMS.kind),
+                      memory_miss=MEMORY_MISS)

@@ -60,7 +60,7 @@ def cluster_spec(cluster: DictConfig, budget_bytes: int | None = None, live: boo
     default = default_headroom(device, int(config["devices_per_node"]) if live else 1)
     reason = "the larger of the config's cluster.headroom and " if spec.headroom_bytes else ""
     return dataclasses.replace(spec, headroom_fraction=max(spec.headroom_fraction, default.share),
-                               headroom_reason=reason + default.reason)
+                               headroom_by_kind=default.by_kind, headroom_reason=reason + default.reason)
 
 
 def default_headroom(device: torch.device, ranks_per_node: int) -> PlanHeadroom:

@@ -75,7 +75,7 @@ def format_comparison(plans: dict[str, Plan | str], tokens_per_sample: int, usab
         if isinstance(plan, str):
             lines.append(f"| {name} | - | - | - | no plan fits | - | - | - | - |")
             continue
-        fits = plan.predicted_peak_bytes <= usable
+        fits = plan.bounded_peak_bytes <= usable
         speedup = plan.predicted_throughput / reference.predicted_throughput if isinstance(reference, Plan) else 1.0
         lines.append(
             f"| {name} | {plan.micro_batch_size} | {format_bytes(plan.predicted_peak_bytes)} | "
@@ -94,7 +94,7 @@ def comparison_rows(plans: dict[str, Plan | str], tokens_per_sample: int, usable
         rows.append({"strategy": name, "micro_batch_size": plan.micro_batch_size,
                      "predicted_peak_bytes": plan.predicted_peak_bytes,
                      "memory_budget_bytes": plan.memory_budget_bytes,
-                     "fits": plan.predicted_peak_bytes <= usable,
+                     "fits": plan.bounded_peak_bytes <= usable,
                      "predicted_step_s": plan.predicted_step_s, "samples_per_s": plan.predicted_throughput,
                      "tokens_per_s": plan.predicted_throughput * tokens_per_sample})
     return rows
@@ -141,7 +141,8 @@ def main(cfg: DictConfig) -> None:
                                          "usable_bytes": cluster.usable_bytes,
                                          "rows": comparison_rows(plans, tokens_per_sample, cluster.usable_bytes)})
     print(f"\npredicted per optimizer step ({profile.param_count:,} parameters, {tokens_per_sample} tokens/sample;"
-          f" fits: within the budget less {format_bytes(cluster.headroom_for(cluster.memory_budget_bytes))} headroom):")
+          f" fits: within the budget less {format_bytes(cluster.headroom_for(cluster.memory_budget_bytes))} headroom"
+          + (", its headroom by kind priced beside the peak" if cluster.headroom_by_kind else "") + "):")
     print(table)
     print(picture)
     print(f"outputs: {out} (plan.json, plan.png, plan_<baseline>.json, comparison.md, comparison.json)")

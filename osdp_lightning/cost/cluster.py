@@ -56,6 +56,10 @@ class ClusterSpec:
     :attr:`usable_bytes`."""
     headroom_reason: str = ""
     """Which rule set the headroom (``budget.PlanHeadroom.reason``); plans print it beside the figure."""
+    headroom_by_kind: bool = False
+    """Plans keep headroom by kind (``budget.PlanHeadroom.by_kind``): each choice's bytes grown by
+    its kind's measured share, priced beside the peak within :attr:`usable_bytes`, on top of
+    :attr:`headroom_bytes` / :attr:`headroom_fraction` (then usually 0)."""
     untracked_bytes: int = 0
     """Bytes the process needs beside the tensors the memory model prices (measured at setup:
     :mod:`osdp_lightning.runtime.process_memory`); plans keep them free on top of the headroom where
@@ -260,7 +264,7 @@ def environment_topology() -> tuple[int, int]:
 def live_cluster_spec(*, world_size: int, ranks_per_node: int, memory_budget_bytes: int,
                       timings: CollectiveTimings | None, node_timings: NodeTimings | None = None,
                       overlap_efficiency: float | None = None, headroom_bytes: int = 0,
-                      headroom_fraction: float = 0.0) -> ClusterSpec:
+                      headroom_fraction: float = 0.0, headroom_by_kind: bool = False) -> ClusterSpec:
     """The ClusterSpec of the running job.
 
     ``timings`` come from :func:`osdp_lightning.cost.links.measure_collectives` on the whole world;
@@ -278,7 +282,8 @@ def live_cluster_spec(*, world_size: int, ranks_per_node: int, memory_budget_byt
     return ClusterSpec(world_size=world_size, memory_budget_bytes=memory_budget_bytes,
                        collective_latency_s=latency, bandwidth_bytes_per_s=bandwidth,
                        overlap_efficiency=overlap, headroom_bytes=headroom_bytes,
-                       headroom_fraction=headroom_fraction, ranks_per_node=ranks_per_node,
+                       headroom_fraction=headroom_fraction, headroom_by_kind=headroom_by_kind,
+                       ranks_per_node=ranks_per_node,
                        inter_node_bandwidth_bytes_per_s=inter_bandwidth, inter_node_latency_s=inter_latency)
 
 

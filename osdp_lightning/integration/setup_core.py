@@ -375,7 +375,7 @@ class OSDPSetup:
             return plan
         self._untracked_bytes = grown
         cluster = self.cluster_spec(plan.memory_budget_bytes)
-        if plan.predicted_peak_bytes > cluster.usable_bytes:
+        if plan.bounded_peak_bytes > cluster.usable_bytes:
             return self._solve(profile, step)
         counted = cluster.untracked_counted
         return dataclasses.replace(plan, untracked_bytes=cluster.untracked_bytes if counted else 0,
@@ -414,7 +414,7 @@ class OSDPSetup:
         spec = live_cluster_spec(
             world_size=ranks.world_size, ranks_per_node=ranks.ranks_per_node, memory_budget_bytes=budget,
             timings=self.timings, node_timings=self.node_timings, overlap_efficiency=overlap,
-            headroom_bytes=headroom.bytes, headroom_fraction=headroom.share)
+            headroom_bytes=headroom.bytes, headroom_fraction=headroom.share, headroom_by_kind=headroom.by_kind)
         # NOTE: a share of a baseline's predicted peak ("70%ddp") bounds the priced tensors; a budget in
         # bytes or a share of the device is a real limit, which the process's untracked growth counts in.
         process = config.budget_covers == "process" and config.headroom is None

@@ -9,9 +9,18 @@ unit's collectives. The solver (:mod:`osdp_lightning.solve`) reads nothing else.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 
-from osdp_lightning.choices import BASE_CHOICES, REPLICATE, as_choice, choice_cost, family_of, is_allowed
+from osdp_lightning.choices import (
+    BASE_CHOICES,
+    REPLICATE,
+    as_choice,
+    choice_cost,
+    family_of,
+    is_allowed,
+    kept_share,
+)
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.cost.cost import ChoiceCost, ChoiceTable, CostContext, UnitCosts
 from osdp_lightning.profiling.records import ModelProfile
@@ -65,6 +74,42 @@ def build_choice_table(profile: ModelProfile, cluster: ClusterSpec, micro_batch_
         fixed_step_s=cluster.step_terms.loop_step_s if cluster.step_terms is not None else 0.0,
         optimizer_step_bytes=profile.optimizer_step_bytes,
     )
+
+
+CHOICE_BYTE_FIELDS = ("state_bytes", "held_bytes", "transient_bytes", "prefetch_bytes", "activation_bytes",
+                      "forward_bytes", "backward_prefetch_bytes", "late_grad_bytes", "reduce_bytes",
+                      "unsaved_forward_bytes")
+"""Every byte field of a :class:`ChoiceCost`: what the memory rows and moments are made of."""
+
+
+def kept_free_table(table: ChoiceTable) -> ChoiceTable:
+    """``table`` as headroom by kind prices it: each choice's bytes grown by its kind's share
+    (:func:`~osdp_lightning.choices.kept_share`), and the bytes no choice changes (activations,
+    the batch, the optimizer step's) by the largest share offered. Every moment of a plan grows by
+    at least the least share of its choices; its peak on this table, within the usable budget, is
+    what the plan keeps: the predicted peak and its headroom."""
+    shares = {cost.choice: kept_share(cost.choice) for unit in table.units for cost in unit.choices}
+    largest = max(shares.values(), default=0.0)
+
+    def grown(cost: ChoiceCost) -> ChoiceCost:
+        return dataclasses.replace(cost, **{name: _grown(getattr(cost, name), shares[cost.choice])
+                                            for name in CHOICE_BYTE_FIELDS})
+    units = tuple(dataclasses.replace(unit, choices=tuple(map(grown, unit.choices))) for unit in table.units)
+    return dataclasses.replace(table, units=units, activation_bytes=_grown(table.activation_bytes, largest),
+                               fixed_bytes=_grown(table.fixed_bytes, largest),
+                               optimizer_step_bytes=_grown(table.optimizer_step_bytes, largest))
+
+
+def bounded_table(table: ChoiceTable, cluster: ClusterSpec) -> ChoiceTable:
+    """The table a plan's peak is bounded on within ``cluster.usable_bytes``: :func:`kept_free_table`
+    under headroom by kind, else ``table`` itself (its headroom is already off the usable bytes)."""
+    return kept_free_table(table) if cluster.headroom_by_kind else table
+
+
+def _grown(size: int | None, share: float) -> int | None:
+    """``size`` grown by ``share``, rounded up; a negative size (bytes a moment gives back) and
+    ``None`` ("as another field") stay as they are."""
+    return math.ceil(size * (1 + share)) if size is not None and size > 0 else size
 
 
 def _at_root_moments(cost: ChoiceCost, tail: int, more: int) -> ChoiceCost:

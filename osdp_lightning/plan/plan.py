@@ -16,11 +16,20 @@ from pathlib import Path
 
 from torch import nn
 
-from osdp_lightning.choices import BASE_CHOICES, REPLICATE, Choice, is_known, known_names, parse, resolve
+from osdp_lightning.choices import (
+    BASE_CHOICES,
+    REPLICATE,
+    Choice,
+    is_known,
+    kept_share,
+    known_names,
+    parse,
+    resolve,
+)
 from osdp_lightning.cost.budget import format_budget, format_bytes
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.cost.cost import ChoiceTable
-from osdp_lightning.plan.choice_table import build_choice_table
+from osdp_lightning.plan.choice_table import bounded_table, build_choice_table
 from osdp_lightning.profiling.records import ModelProfile, with_parts
 from osdp_lightning.profiling.units import ROOT, UnitSpec, unit_param_counts
 from osdp_lightning.solve import (
@@ -120,6 +129,9 @@ class Plan:
     headroom_bytes: int = 0
     """Bytes of the budget the plan was solved to leave free, and the rule that set them:"""
     headroom_reason: str = ""
+    kind_headroom_bytes: int = 0
+    """The part of ``headroom_bytes`` kept by kind (each chosen choice's bytes grown by its kind's
+    measured share; 0 under a flat rule): with the predicted peak, what the usable budget bounds."""
     untracked_bytes: int = 0
     """Bytes of the budget kept free for what the process needs beside the priced tensors, and
     where they were measured (:attr:`~osdp_lightning.cost.cluster.ClusterSpec.untracked_bytes`)."""
@@ -129,6 +141,12 @@ class Plan:
     applied (FSDP2's ``MixedPrecisionPolicy``; ``bf16-mixed``: ``"bfloat16"``, ``"float32"``);
     ``""``: the parameters' own dtype (:mod:`osdp_lightning.profiling.precision`)."""
     reduce_dtype: str = ""
+
+    @property
+    def bounded_peak_bytes(self) -> int:
+        """The peak the usable budget (the budget less what a flat headroom and the untracked bytes
+        keep free) bounds: the predicted peak and the headroom kept by kind."""
+        return self.predicted_peak_bytes + self.kind_headroom_bytes
 
     def choice_of(self, unit_name: str) -> str:
         return next(u.choice for u in self.units if u.name == unit_name)
@@ -288,7 +306,7 @@ def _best_solved_plan(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: C
     whose bound cannot beat the plan in hand is skipped (the answer is the same as solving all).
     """
     bounds = [_throughput(table, cluster, step_lower_bound(table))
-              if peak_lower_bound(table) <= cluster.usable_bytes else -1.0 for _, table in tables]
+              if peak_lower_bound(bounded_table(table, cluster)) <= cluster.usable_bytes else -1.0 for _, table in tables]
     best, best_key = None, (0.0, 0)
     for index in sorted(range(len(tables)), key=lambda i: (-bounds[i], i)):
         if bounds[index] < 0 or (best is not None and (bounds[index], -index) <= best_key):
@@ -314,7 +332,7 @@ def _infeasible(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: Cluster
     byte less and none is (exact unless ``time_limit_s`` stopped a solve: then a budget that fits).
     """
     need = None
-    for _, table in sorted(tables, key=lambda pair: peak_lower_bound(pair[1])):
+    for table in sorted((bounded_table(table, cluster) for _, table in tables), key=peak_lower_bound):
         if need is not None and peak_lower_bound(table) >= need:
             break  # no table from here on can need less
         least = smallest_feasible_budget(table, time_limit_s=time_limit_s)
@@ -329,8 +347,9 @@ def _infeasible(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: Cluster
                  "measured: the next measures its own" if cluster.untracked_bytes else "")
     tensors_only = (", or bound only the priced tensors (budget_covers='tensors')"
                     if cluster.untracked_counted and cluster.untracked_bytes else "")
-    fix = (f"the smallest budget that fits is {format_bytes(smallest)} ({smallest} bytes, of which "
-           f"{format_bytes(cluster.headroom_for(smallest))} headroom{untracked}; "
+    kept = ("its headroom by kind included" + (f", of which{untracked[4:]}" if untracked else "")
+            if cluster.headroom_by_kind else f"of which {format_bytes(cluster.headroom_for(smallest))} headroom{untracked}")
+    fix = (f"the smallest budget that fits is {format_bytes(smallest)} ({smallest} bytes, {kept}; "
            f"memory_budget={format_budget(smallest)!r})")
     if cluster.usable_bytes <= 0:
         return InfeasibleBudgetError(
@@ -350,6 +369,8 @@ def _headroom_rule(cluster: ClusterSpec) -> str:
 
     NOTE: no "(<n> bytes" here: scripts read the smallest budget as the first one in the message.
     """
+    if cluster.headroom_by_kind:
+        return " (and each choice's bytes grown by the share its kind keeps: headroom by kind)"
     if not cluster.headroom_fraction:
         return ""
     share = f"{100 * cluster.headroom_fraction:.4g}% of the budget"
@@ -396,7 +417,7 @@ def _uniform_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpe
 
 def _solved_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpec,
                  time_limit_s: float | None) -> Plan | None:
-    solution = solve_choice_table(table, cluster.usable_bytes, time_limit_s=time_limit_s)
+    solution = solve_choice_table(bounded_table(table, cluster), cluster.usable_bytes, time_limit_s=time_limit_s)
     if not solution.feasible:
         return None
     return assemble_plan(table, profile, cluster, solution.choices, status=solution.status,
@@ -419,9 +440,11 @@ def assemble_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpe
             compute_s=cost.compute_s, comm_s=paid_comm_s, optimizer_s=cost.optimizer_s,
             overhead_s=cost.overhead_s))
     step_s = step_seconds(table, assignment)
+    peak = peak_bytes(table, assignment)
+    kind_headroom = peak_bytes(bounded_table(table, cluster), assignment) - peak if cluster.headroom_by_kind else 0
     return Plan(
         units=tuple(units), world_size=cluster.world_size, micro_batch_size=table.micro_batch_size,
-        memory_budget_bytes=cluster.memory_budget_bytes, predicted_peak_bytes=peak_bytes(table, assignment),
+        memory_budget_bytes=cluster.memory_budget_bytes, predicted_peak_bytes=peak,
         predicted_step_s=step_s,
         predicted_throughput=_throughput(table, cluster, step_s),
         activation_bytes=table.activation_bytes, solver_status=status, solve_s=solve_s,
@@ -433,22 +456,31 @@ def assemble_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpe
         predicted_overhead_s=sum(u.overhead_s for u in units), predicted_exposed_comm_s=sum(u.comm_s for u in units),
         predicted_loop_s=table.fixed_step_s,
         step_terms_source=cluster.step_terms.source if cluster.step_terms is not None else "",
-        headroom_bytes=cluster.headroom_for(cluster.memory_budget_bytes), headroom_reason=cluster.headroom_reason,
+        headroom_bytes=cluster.headroom_for(cluster.memory_budget_bytes) + kind_headroom,
+        headroom_reason=cluster.headroom_reason + (f" ({kind_shares_text(assignment)})" if cluster.headroom_by_kind else ""),
+        kind_headroom_bytes=kind_headroom,
         untracked_bytes=cluster.untracked_bytes if cluster.untracked_counted else 0,
         untracked_reason=cluster.untracked_reason if cluster.untracked_counted else "",
         param_dtype=profile.param_dtype, reduce_dtype=profile.reduce_dtype)
 
 
+def kind_shares_text(assignment: Iterable[str]) -> str:
+    """The share of its bytes each choice of ``assignment`` keeps under headroom by kind, largest
+    first: ``zero3+ckpt 2.6%, replicate 0.9%``."""
+    shares = {choice: kept_share(choice) for choice in assignment}
+    return ", ".join(f"{choice} {100 * share:.1f}%" for choice, share in sorted(shares.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def uniform_baselines(table: ChoiceTable, cluster: ClusterSpec) -> tuple[BaselinePrediction, ...]:
     """replicate (ddp) / zero2 / zero3 for every unit, priced on ``table``; those a unit cannot take are left out."""
-    usable = cluster.usable_bytes
+    usable, bounded = cluster.usable_bytes, bounded_table(table, cluster)
     baselines = []
     for choice in map(str, BASE_CHOICES):
         if not all(any(c.choice == choice for c in unit.choices) for unit in table.units):
             continue  # e.g. one rank: only replicate
         assignment = tuple(choice for _ in table.units)
-        peak = peak_bytes(table, assignment)
-        baselines.append(BaselinePrediction(choice, peak, step_seconds(table, assignment), peak <= usable))
+        baselines.append(BaselinePrediction(choice, peak_bytes(table, assignment), step_seconds(table, assignment),
+                                            peak_bytes(bounded, assignment) <= usable))
     return tuple(baselines)
 
 

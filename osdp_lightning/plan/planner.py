@@ -116,7 +116,7 @@ class Planner:
         sizes = batch_candidates(self.profile, self.options.micro_batch_size) or (self.profile.micro_batch_size,)
         plans = [make_plan(self.profile, self.cluster, uniform_choice=choice, micro_batch_sizes=(b,),
                            accumulation_steps=self.options.accumulation_steps) for b in sorted(sizes)]
-        fitting = [p for p in plans if p.predicted_peak_bytes <= self.cluster.usable_bytes]
+        fitting = [p for p in plans if p.bounded_peak_bytes <= self.cluster.usable_bytes]
         return max(fitting, key=lambda p: p.predicted_throughput) if fitting else plans[0]
 
     def plan_with_baselines(self) -> dict[str, Plan | str]:
