@@ -41,14 +41,8 @@ from osdp_lightning.integration.lightning_compat import (
     FabricScriptLauncher,
     default_pg_timeout,
 )
-from osdp_lightning.integration.setup_core import (
-    ConfigOptions,
-    OSDPSetup,
-    Ranks,
-    RootWrapper,
-    SetupView,
-    StepInputs,
-)
+from osdp_lightning.integration.setup_core import OSDPSetup, Ranks, RootWrapper, StepInputs
+from osdp_lightning.integration.strategy_view import ConfigOptions, SetupView
 from osdp_lightning.plan.plan import Plan
 from osdp_lightning.profiling.optim_state import configured_optimizer
 from osdp_lightning.report.report import format_comparison

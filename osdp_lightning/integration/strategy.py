@@ -32,15 +32,9 @@ from osdp_lightning.integration.lightning_compat import (
     default_pg_timeout,
     optimizers_to_device,
 )
-from osdp_lightning.integration.setup_core import (
-    ConfigOptions,
-    OSDPSetup,
-    Ranks,
-    RootWrapper,
-    SetupView,
-    StepInputs,
-)
+from osdp_lightning.integration.setup_core import OSDPSetup, Ranks, RootWrapper, StepInputs
 from osdp_lightning.integration.setup_inputs import current_batch_size, first_training_batch, set_batch_size
+from osdp_lightning.integration.strategy_view import ConfigOptions, SetupView
 from osdp_lightning.plan.plan import Plan
 from osdp_lightning.profiling.optim_state import configured_optimizer
 from osdp_lightning.profiling.precision import sharded_precision
