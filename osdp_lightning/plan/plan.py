@@ -343,12 +343,14 @@ def _infeasible(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: Cluster
     rule = _headroom_rule(cluster) + (f" and {format_bytes(cluster.untracked_bytes)} untracked "
                                       f"({cluster.untracked_reason})"
                                       if cluster.untracked_counted and cluster.untracked_bytes else "")
-    untracked = (f" and {format_bytes(cluster.named_untracked_bytes)} untracked, half again what this launch "
+    untracked = (f"{format_bytes(cluster.named_untracked_bytes)} untracked, half again what this launch "
                  "measured: the next measures its own" if cluster.untracked_bytes else "")
     tensors_only = (", or bound only the priced tensors (budget_covers='tensors')"
                     if cluster.untracked_counted and cluster.untracked_bytes else "")
-    kept = ("its headroom by kind included" + (f", of which{untracked[4:]}" if untracked else "")
-            if cluster.headroom_by_kind else f"of which {format_bytes(cluster.headroom_for(smallest))} headroom{untracked}")
+    if cluster.headroom_by_kind:
+        kept = "its headroom by kind included" + (f", of which {untracked}" if untracked else "")
+    else:
+        kept = f"of which {format_bytes(cluster.headroom_for(smallest))} headroom" + (f" and {untracked}" if untracked else "")
     fix = (f"the smallest budget that fits is {format_bytes(smallest)} ({smallest} bytes, {kept}; "
            f"memory_budget={format_budget(smallest)!r})")
     if cluster.usable_bytes <= 0:
