@@ -7,11 +7,14 @@
 Every run is a separate multi-process launch of :mod:`benchmarks.compare_worker` with the same
 model, data and seed. ``ddp`` is Lightning's own ``strategy="ddp"`` (torch DDP), what users would
 otherwise run: every "x ddp" ratio is against it. ``osdp-replicate`` (osdp's uniform replicate) goes
-first; its measured
-peak per rank sets the osdp budgets (``--fractions`` of it). Each method then runs once per round,
-the order rotated one place each round, and rows report medians over rounds, so that drift of a
-shared machine does not favour one method. Writes ``compare.md`` (tables), ``compare.csv`` (one
-row per method), ``compare_runs.csv`` (one row per run), ``compare_runs.json`` and ``compare.png``.
+first; its measured peak per rank sets the osdp budgets (``--fractions`` of it). Those budgets bound
+the tensors the plan prices (``--budget-covers tensors``, the default), so a run's process uses more;
+with ``--budget-covers process`` they are fractions of what the all-replicate process itself used
+above the fixed cost it measured at setup (its ``own_above_fixed_bytes``), and bound osdp's whole
+process above its own fixed cost. Each method then runs once per round, the order rotated one place
+each round, and rows report medians over rounds, so that drift of a shared machine does not favour
+one method. Writes ``compare.md`` (tables), ``compare.csv`` (one row per method),
+``compare_runs.csv`` (one row per run), ``compare_runs.json`` and ``compare.png``.
 """
 
 from __future__ import annotations
@@ -65,13 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     for name in MODEL_ARGS:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help="overrides the preset")
     parser.add_argument("--fractions", default=None,
-                        help="osdp budgets as fractions of the measured all-replicate peak (default "
+                        help="osdp budgets as fractions of the measured all-replicate peak (--budget-covers "
+                             "process: of its own memory above its fixed cost) (default "
                              f"{','.join(str(f) for f in DEFAULT_FRACTIONS)}; one device: 1.25)")
     parser.add_argument("--methods", default=None,
                         help="default ddp,osdp-replicate,zero2,zero3,osdp-default,osdp (one device: ddp,osdp-replicate,osdp)")
     parser.add_argument("--fsdp2-fractions", default=",".join(str(f) for f in DEFAULT_FSDP2_FRACTIONS),
                         help="osdp-at-fsdp2 budgets as fractions of the hand-written FSDP2's measured peak "
                              "(needs fsdp2 and osdp in --methods)")
+    parser.add_argument("--budget-covers", choices=("tensors", "process"), default="tensors",
+                        help="what osdp's budgets bound (OSDPConfig.budget_covers). tensors: fractions of the "
+                             "all-replicate run's tracked tensor peak, bounding the tensors the plan prices; process: "
+                             "fractions of its own memory above its fixed cost, bounding the process above its own")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"),
@@ -194,31 +202,56 @@ def warm_calibrations(settings: dict[str, int], args: argparse.Namespace, work: 
     return done
 
 
-def run_all(args: argparse.Namespace, settings: dict[str, int], work: Path) -> tuple[list[dict], int]:
-    """Every run of every round; returns the run records and the all-replicate peak in bytes."""
+def budget_base(summary: dict[str, Any], covers: str) -> int:
+    """What osdp's budgets are fractions of, from the all-replicate run's summary: its tracked peak
+    (``tensors``), or its own memory above its fixed cost (``process``: the process's resident
+    high-water above the fixed cost measured at setup, less the code pages loaded since that were
+    resident at the peak, the quantity a process budget bounds)."""
+    if covers == "tensors":
+        return int(summary["peak_bytes"])
+    own = int(summary.get("own_above_fixed_bytes") or 0)
+    if own <= 0:
+        raise SystemExit(f"the all-replicate ({PEAK_METHOD}) run reported no own memory above its fixed cost "
+                         "(a CPU run under the osdp strategy measures it): no process budgets without it")
+    return own
+
+
+def run_all(args: argparse.Namespace, settings: dict[str, int], work: Path) -> tuple[list[dict], int, int]:
+    """Every run of every round; returns the run records, the all-replicate tracked peak and what the
+    budgets are fractions of (:func:`budget_base`), in bytes."""
     fractions = tuple(float(f) for f in args.fractions.split(",") if f)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    covers = getattr(args, "budget_covers", "tensors")
     first = launch(PEAK_METHOD, None, settings, args, work, f"r0_{PEAK_METHOD}")
     if first.get("status") != "ok":
         raise SystemExit(f"the all-replicate ({PEAK_METHOD}) run failed; no budgets without it:\n{first.get('message')}")
-    replicate_peak = int(first["summary"]["peak_bytes"])
-    print(f"all-replicate peak per rank: {replicate_peak / 2**20:.2f} MiB; load average {load_average()}", flush=True)
+    replicate_peak, base = int(first["summary"]["peak_bytes"]), budget_base(first["summary"], covers)
+    summary = first["summary"]
+    predicted, resident = (summary.get(k) or 0 for k in ("predicted_peak_bytes", "process_above_fixed_bytes"))
+    print(f"all-replicate peak per rank: {replicate_peak / 2**20:.2f} MiB (predicted {predicted / 2**20:.2f})"
+          + (f"; own memory above its fixed cost {base / 2**20:.2f} MiB (resident {resident / 2**20:.2f}), "
+             "the budgets' base" if covers == "process" else "") + f"; load average {load_average()}", flush=True)
     runs: list[dict] = []
     smallest: int | None = None  # the smallest feasible osdp budget, once a run has named it
     hand_peak: int | None = None  # the hand-written FSDP2's measured peak (its round-0 run)
     for r in range(args.rounds):
         hand_fractions = tuple(float(f) for f in args.fsdp2_fractions.split(",") if f)
         for method, fraction in run_order(fractions, methods, r, hand_fractions):
-            budget = int(fraction * replicate_peak) if fraction is not None else None
+            budget = int(fraction * base) if fraction is not None else None
+            # NOTE: only osdp's budgets from the all-replicate run's own memory bound the process; those
+            # from the hand FSDP2's tracked peak (it measures no fixed cost) bound the tensors.
+            run_covers = covers if method == "osdp" else "tensors"
             if method.startswith("osdp-at-"):
                 if hand_peak is None:
                     continue
                 budget = int(fraction * hand_peak)
             if r == 0 and method == PEAK_METHOD:
                 record = first if PEAK_METHOD in methods else None
-            elif smallest is not None and budget is not None and budget < smallest:
+            elif smallest is not None and budget is not None and budget < smallest and run_covers == "tensors":
                 # NOTE: no plan fits below the smallest feasible budget (exact bytes of the same
-                # profile); it is recorded once, not launched again to hear the same answer.
+                # profile); it is recorded once, not launched again to hear the same answer. A process
+                # budget's smallest counts the untracked growth its launch measured, which the next
+                # launch measures anew: each is launched.
                 if r == 0:
                     record = {"method": method, "budget_bytes": budget, "status": "infeasible",
                               "smallest_feasible_bytes": smallest, "message": "below the smallest feasible budget",
@@ -227,8 +260,11 @@ def run_all(args: argparse.Namespace, settings: dict[str, int], work: Path) -> t
                     continue
             else:
                 label = f"r{r}_{method}" + (f"_{round(100 * fraction)}" if fraction is not None else "")
-                record = launch(method if budget is None else "osdp", budget, settings, args, work, label)
+                extra = ("--budget-covers", run_covers) if budget is not None else ()
+                record = launch(method if budget is None else "osdp", budget, settings, args, work, label, extra)
                 record["method"] = method
+                if budget is not None:
+                    record["budget_covers"] = run_covers
             if record is None:
                 continue
             if method == HAND_FSDP2 and hand_peak is None and record["status"] == "ok":
@@ -238,7 +274,7 @@ def run_all(args: argparse.Namespace, settings: dict[str, int], work: Path) -> t
             if record["status"] == "infeasible" and record.get("smallest_feasible_bytes"):
                 smallest = max(smallest or 0, record["smallest_feasible_bytes"])
             print(compare_report.progress_line(record), flush=True)
-    return runs, replicate_peak
+    return runs, replicate_peak, base
 
 
 def describe_machine(args: argparse.Namespace, settings: dict[str, int], params: int | None) -> dict[str, Any]:
@@ -293,11 +329,12 @@ def main(argv: list[str] | None = None) -> int:
         # run reads the same text from one file instead.
         (Path(tmp) / CORPUS_FILE).write_text(python_docs_corpus(), encoding="utf-8")
         calibrations = warm_calibrations(settings, args, Path(tmp))
-        runs, replicate_peak = run_all(args, settings, Path(tmp))
+        runs, replicate_peak, base = run_all(args, settings, Path(tmp))
     params = next((r.get("param_count") for r in runs if r.get("param_count")), None)
     machine = describe_machine(args, settings, params)
     machine.update(load_average_start=load_start, load_average_end=load_average(),
                    total_wall_s=round(time.perf_counter() - start, 1), replicate_peak_bytes=replicate_peak,
+                   budget_covers=args.budget_covers, budget_base_bytes=base,
                    calibrations=calibrations)
     rows = compare_report.aggregate(runs, replicate_peak)
     text = compare_report.write_outputs(args.out_dir, machine, rows, runs, plot=not args.no_plot)

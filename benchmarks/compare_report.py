@@ -4,6 +4,12 @@ Rows aggregate the rounds of one method (and budget): medians of throughput and 
 the largest measured peak (a budget must hold in every run), the worst memory-prediction error,
 and throughput ratios taken round by round (run r of osdp against run r of ddp), so that a slow
 round slows both sides of a ratio alike.
+
+A run with a budget shows, beside its tracked peak over the budget, its own memory above its fixed
+cost (``own_above_fixed_bytes``) and its resident high-water above it (``process_above_fixed_bytes``)
+over the budget, where the summary reports them (osdp on CPU). A budget that covers the process
+(``budget_covers`` of the run record, ``--budget-covers process``) bounds the own memory: that is what
+"within budget" and its target check there. Records without these fields report as before.
 """
 
 from __future__ import annotations
@@ -35,7 +41,47 @@ def progress_line(record: dict[str, Any]) -> str:
         return f"{head} ERROR ({record['message'].splitlines()[0] if record['message'] else ''})"
     s = record["summary"]
     measured = measured_text(record, s["predicted_step_s"], s["predicted_peak_bytes"])
-    return f"{head} {s['tokens_per_s']:8.0f} tokens/s  {measured}"
+    shares = budget_shares_text(record_shares(record))
+    return f"{head} {s['tokens_per_s']:8.0f} tokens/s  {measured}" + (f"  of budget: {shares}" if shares else "")
+
+
+OWN, PROCESS = "own_above_fixed_bytes", "process_above_fixed_bytes"
+"""The summary's process figures above the fixed cost measured at setup (osdp on CPU; 0 or absent elsewhere)."""
+
+
+def _reported(summary: dict[str, Any], key: str) -> int | None:
+    value = summary.get(key)
+    return int(value) if value else None
+
+
+def covers_process(record: dict[str, Any]) -> bool:
+    """Whether the run's budget bounds its process above its fixed cost (older records: tensors)."""
+    return record.get("budget_covers") == "process"
+
+
+def record_shares(record: dict[str, Any]) -> dict[str, float | None]:
+    """A trained run's tracked peak, own memory and resident high-water above its fixed cost over its
+    budget (``None`` where it has no budget or the summary does not report the figure)."""
+    budget, s = record.get("budget_bytes"), record.get("summary") or {}
+    if not budget or record.get("status") != "ok":
+        return {}
+    figures = {"peak": s.get("peak_bytes"), "own": _reported(s, OWN), "process": _reported(s, PROCESS)}
+    return {k: None if v is None else v / budget for k, v in figures.items()}
+
+
+def budget_shares_text(shares: dict[str, float | None]) -> str:
+    """``peak / own / process`` over the budget, in percent (``-`` for a figure not reported)."""
+    if not shares:
+        return ""
+    return " / ".join(_fmt(None if shares.get(k) is None else 100 * shares[k], ".1f", "%")
+                      for k in ("peak", "own", "process"))
+
+
+def bounded_bytes(record: dict[str, Any]) -> int:
+    """What the run's budget bounds: its own memory above its fixed cost where it covers the process
+    (and the summary reports it), else its tracked peak."""
+    s = record["summary"]
+    return (_reported(s, OWN) if covers_process(record) else None) or int(s["peak_bytes"])
 
 
 def measured_text(record: dict[str, Any], predicted_step_s: float | None,
@@ -83,7 +129,8 @@ def _choices_text(runs: list[dict]) -> str:
     return common + (f" (plans differed across rounds: {len(set(texts))})" if len(set(texts)) > 1 else "")
 
 
-def _row_of(group: list[dict], runs: list[dict], baseline_peaks: dict[str, int]) -> dict[str, Any]:
+def _row_of(group: list[dict], runs: list[dict], baseline_peaks: dict[str, int],
+            baseline_owns: dict[str, int] | None = None) -> dict[str, Any]:
     first = group[0]
     row: dict[str, Any] = {"method": label_of(first["method"], first["fraction"]), "fraction": first["fraction"],
                            "budget_bytes": first.get("budget_bytes"), "runs": len(group)}
@@ -107,8 +154,16 @@ def _row_of(group: list[dict], runs: list[dict], baseline_peaks: dict[str, int])
         x_ddp=_paired_ratio(ok, _ok_by_round(runs, "ddp")), x_zero3=_paired_ratio(ok, _ok_by_round(runs, "zero3")),
         x_fsdp2=_paired_ratio(ok, _ok_by_round(runs, "fsdp2")))
     if first["fraction"] is not None:
-        row["within_budget"] = all(s["peak_bytes"] <= first["budget_bytes"] for s in summaries)
-        fitting = [m for m, peak in baseline_peaks.items() if peak <= first["budget_bytes"]]
+        row["within_budget"] = all(bounded_bytes(r) <= first["budget_bytes"] for r in ok)
+        row["budget_covers"] = "process" if covers_process(first) else "tensors"
+        for key in ("peak", "own", "process"):  # the worst run's share of the budget
+            shares = [record_shares(r).get(key) for r in ok]
+            row[f"{key}_over_budget"] = max(shares) if shares and None not in shares else None
+        # NOTE: against a process budget a baseline fits by its own memory where it reports it
+        # (osdp's uniform plans on CPU); Lightning's strategies report none: by their tracked peak.
+        sizes = {m: (baseline_owns or {}).get(m, peak) if covers_process(first) else peak
+                 for m, peak in baseline_peaks.items()}
+        fitting = [m for m, size in sizes.items() if size <= first["budget_bytes"]]
         ratios = {m: _paired_ratio(ok, _ok_by_round(runs, m)) for m in fitting}
         ratios = {m: x for m, x in ratios.items() if x is not None}
         if ratios:  # the fastest baseline that fits this budget is the one to beat
@@ -133,10 +188,12 @@ def aggregate(runs: list[dict], replicate_peak: int) -> list[dict[str, Any]]:
     for run in sorted(runs, key=lambda r: r["round"]):
         groups.setdefault((run["method"], run["fraction"]), []).append(run)
     # NOTE: osdp at its default budget is osdp, not a baseline to beat.
-    baseline_peaks = {m: max(r["summary"]["peak_bytes"] for r in g if r["status"] == "ok")
-                      for (m, f), g in groups.items()
-                      if f is None and m != "osdp-default" and any(r["status"] == "ok" for r in g)}
-    return [_row_of(group, runs, baseline_peaks) for group in groups.values()]
+    baselines = {m: [r for r in g if r["status"] == "ok"] for (m, f), g in groups.items()
+                 if f is None and m != "osdp-default"}
+    baseline_peaks = {m: max(r["summary"]["peak_bytes"] for r in ok) for m, ok in baselines.items() if ok}
+    baseline_owns = {m: max(owns) for m, ok in baselines.items()
+                     if ok and None not in (owns := [_reported(r["summary"], OWN) for r in ok])}
+    return [_row_of(group, runs, baseline_peaks, baseline_owns) for group in groups.values()]
 
 
 def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
@@ -151,20 +208,24 @@ def _pct(error: float | None) -> str:
 
 def results_table(rows: list[dict[str, Any]]) -> str:
     head = ("| method | budget MiB | tokens/s | x ddp | x zero3 | x best baseline that fits | peak MiB (measured) "
-            "| peak MiB (predicted) | mem err | within budget | step s | step s (predicted) | step err | plan |")
+            "| peak MiB (predicted) | mem err | within budget | of budget: peak / own / process | step s "
+            "| step s (predicted) | step err | plan |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         budget = _mib(r["budget_bytes"])
         if r["status"] != "ok":
-            lines.append(f"| {r['method']} | {budget} | {r['status']} |" + " |" * 11)
+            lines.append(f"| {r['method']} | {budget} | {r['status']} |" + " |" * 12)
             continue
         best = (f"{r['x_best_fitting']:.2f} ({r['best_fitting']})" if r.get("best_fitting")
                 else ("none fits" if r["fraction"] is not None else "-"))
         within = {True: "yes", False: "**NO**", None: "-"}[r.get("within_budget")]
+        within += " (own)" if r.get("budget_covers") == "process" and r.get("own_over_budget") is not None else ""
+        shares = budget_shares_text({k: r.get(f"{k}_over_budget") for k in ("peak", "own", "process")}
+                                    if r["fraction"] is not None else {}) or "-"
         lines.append(
             f"| {r['method']} | {budget} | {r['tokens_per_s']:.0f} | {_fmt(r['x_ddp'])} | {_fmt(r['x_zero3'])} "
             f"| {best} | {_mib(r['peak_bytes'])} | {_mib(r['predicted_peak_bytes'])} "
-            f"| {_pct(r['mem_error_worst'])} | {within} | {r['step_s']:.4f} "
+            f"| {_pct(r['mem_error_worst'])} | {within} | {shares} | {r['step_s']:.4f} "
             f"| {_fmt(r['predicted_step_s'], '.4f')} | {_pct(r['step_error'])} | {r['choices']} |")
     return "\n".join(lines)
 
@@ -215,6 +276,7 @@ def verdicts(rows: list[dict[str, Any]], runs: list[dict]) -> list[str]:
     verdict = "n/a (no osdp run trained)" if not osdp_runs else ("MET" if not over else "MISSED")
     lines = [f"- osdp never exceeds its budget (measured peak): {verdict} "
              f"({len(osdp_runs)} runs, highest peak/budget {100 * worst:.1f}%)"]
+    lines += _process_budget_verdicts(osdp_runs)
     for fraction, key, target, name in ((1.0, "x_ddp", 0.95, "ddp"), (0.7, "x_zero3", 1.10, "zero3")):
         row = by_fraction.get(fraction)
         value = row.get(key) if row else None
@@ -238,6 +300,28 @@ def verdicts(rows: list[dict[str, Any]], runs: list[dict]) -> list[str]:
                  f"15%): {'MET' if median <= STEP_MEDIAN_ERROR_TARGET else 'MISSED'} ({100 * median:.1f}% over "
                  f"{len(step_errors)} runs)")
     return lines
+
+
+def _process_budget_verdicts(osdp_runs: list[dict]) -> list[str]:
+    """Where osdp's budgets cover the process: its own memory above its fixed cost never exceeds the
+    budget, with the highest resident high-water above it (code pages loaded since setup included)."""
+    covered = [r for r in osdp_runs if covers_process(r)]
+    if not covered:
+        return []
+    shares = [record_shares(r) for r in covered]
+    missing = sum(s["own"] is None for s in shares)
+    own = [s["own"] for s in shares if s["own"] is not None]
+    over = [x for x in own if x > 1]
+    verdict = "n/a (no run reports it)" if not own else ("MISSED" if over else "MET")
+
+    def highest(key: str) -> str:
+        values = [s[key] for s in shares if s[key] is not None]
+        return f"{100 * max(values):.1f}%" if values else "-"
+
+    return [f"- osdp's own memory above its fixed cost never exceeds its process budget: {verdict} "
+            f"({len(own)} runs{f', {missing} without the figure' if missing else ''}, highest own/budget "
+            f"{highest('own')}; resident above the fixed cost, code pages loaded since setup included: highest "
+            f"process/budget {highest('process')})"]
 
 
 def _ddp_verdicts(rows: list[dict[str, Any]]) -> list[str]:
@@ -281,7 +365,7 @@ def _hand_fsdp2_verdicts(rows: list[dict[str, Any]]) -> list[str]:
 
 _RUN_FIELDS = ("round", "method", "fraction", "status", "budget_bytes", "tokens_per_s", "step_s", "predicted_step_s",
                "peak_bytes", "predicted_peak_bytes", "forward_s", "backward_s", "optimizer_s", "choices",
-               "smallest_feasible_bytes", "load_average", "wall_s")
+               "smallest_feasible_bytes", "load_average", "wall_s", "budget_covers", OWN, PROCESS)
 
 
 def _run_csv_row(run: dict) -> dict[str, Any]:

@@ -77,6 +77,69 @@ def test_outputs_are_written(tmp_path: Path) -> None:
     assert len(json.loads((tmp_path / "compare_runs.json").read_text())["runs"]) == len(runs)
 
 
+def _process_run(round_: int, fraction: float | None, own: int, process: int, peak: int,
+                 budget: int | None = None) -> dict:
+    run = _run(round_, "osdp-replicate" if fraction is None else "osdp", fraction, 1000, peak, budget=budget)
+    run["summary"].update(own_above_fixed_bytes=own, process_above_fixed_bytes=process)
+    return run if budget is None else {**run, "budget_covers": "process"}
+
+
+def test_process_budgets_report_own_and_resident_memory_over_the_budget(tmp_path: Path) -> None:
+    runs = [_process_run(0, None, own=200 * MIB, process=210 * MIB, peak=120 * MIB),
+            _process_run(0, 1.0, own=190 * MIB, process=204 * MIB, peak=118 * MIB, budget=200 * MIB),
+            _process_run(0, 0.7, own=141 * MIB, process=150 * MIB, peak=90 * MIB, budget=140 * MIB)]
+    rows = {r["method"]: r for r in compare_report.aggregate(runs, 120 * MIB)}
+    assert rows["osdp @ 100%"]["own_over_budget"] == pytest.approx(0.95)
+    assert rows["osdp @ 100%"]["process_over_budget"] == pytest.approx(1.02)
+    # A process budget bounds the own memory: 141 MiB over 140 is out, though the tracked peak is well in.
+    assert rows["osdp @ 100%"]["within_budget"] and not rows["osdp @ 70%"]["within_budget"]
+    # osdp-replicate fits a process budget by its own memory (200 MiB), not its tracked peak (120 MiB).
+    assert rows["osdp @ 100%"]["best_fitting"] == "osdp-replicate" and "best_fitting" not in rows["osdp @ 70%"]
+    machine = {"cpu": "test", "devices": 2, "rounds": 1, "budget_covers": "process"}
+    text = compare_report.write_outputs(tmp_path, machine, list(rows.values()), runs, plot=False)
+    assert "| of budget: peak / own / process |" in text
+    assert "| yes (own) | 59.0% / 95.0% / 102.0% |" in text
+    assert "| **NO** (own) | 64.3% / 100.7% / 107.1% |" in text
+    assert ("own memory above its fixed cost never exceeds its process budget: MISSED (2 runs, highest own/budget "
+            "100.7%; resident above the fixed cost, code pages loaded since setup included: highest process/budget "
+            "107.1%)") in text
+    assert "of budget: 64.3% / 100.7% / 107.1%" in compare_report.progress_line({**runs[2], "load_average": "0.1"})
+    with (tmp_path / "compare_runs.csv").open() as handle:
+        last = list(csv.DictReader(handle))[-1]
+    assert (last["budget_covers"], last["own_above_fixed_bytes"]) == ("process", str(141 * MIB))
+
+
+def test_older_runs_without_process_figures_still_report(tmp_path: Path) -> None:
+    runs = _synthetic_runs()  # no budget_covers, no own or resident figures: budgets bound tensors
+    text = compare_report.write_outputs(tmp_path, {"cpu": "test"}, compare_report.aggregate(runs, 100 * MIB), runs,
+                                        plot=False)
+    assert "| yes | 90.0% / - / - |" in text and "| 69.00 | 69.00 | +0.0% | yes | 98.6% / - / - |" in text
+    assert "process budget" not in text
+    assert "| osdp @ 40% | 40.00 | does not fit (smallest: 55.00 MiB) |" in text
+
+
+def test_process_budgets_are_fractions_of_the_replicate_runs_own_memory(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    launched = []
+
+    def fake_launch(method, budget, settings, args, work, label, extra=()):  # noqa: ANN001, ANN202
+        launched.append((method, budget, tuple(extra)))
+        return _process_run(0, None, own=200 * MIB, process=210 * MIB, peak=120 * MIB, budget=budget)
+
+    monkeypatch.setattr(compare, "launch", fake_launch)
+    args = compare.build_parser().parse_args(["--methods", "osdp-replicate,osdp", "--fractions", "1.0,0.5",
+                                              "--rounds", "1", "--budget-covers", "process"])
+    runs, replicate_peak, base = compare.run_all(args, {}, tmp_path)
+    assert (replicate_peak, base) == (120 * MIB, 200 * MIB)
+    assert launched[1:] == [("osdp", 200 * MIB, ("--budget-covers", "process")),
+                            ("osdp", 100 * MIB, ("--budget-covers", "process"))]
+    assert [r.get("budget_covers") for r in runs] == [None, "process", "process"]
+    assert compare.build_parser().parse_args([]).budget_covers == "tensors"  # the default keeps tensor budgets
+    assert compare.budget_base({"peak_bytes": 120 * MIB, "own_above_fixed_bytes": 200 * MIB}, "tensors") == 120 * MIB
+    with pytest.raises(SystemExit, match="no own memory above its fixed cost"):
+        compare.budget_base({"peak_bytes": 120 * MIB, "own_above_fixed_bytes": 0}, "process")
+
+
 def test_round_order_starts_with_ddp_and_puts_every_run_in_every_position() -> None:
     first = compare.run_order((1.0, 0.5), ("ddp", "zero3", "osdp"), 0)
     assert first == [("ddp", None), ("zero3", None), ("osdp", 1.0), ("osdp", 0.5)]
