@@ -59,7 +59,8 @@ def cluster_spec(cluster: DictConfig, budget_bytes: int | None = None, live: boo
     # not a figure: the smallest budget that fits is found under the same rule).
     default = default_headroom(device, int(config["devices_per_node"]) if live else 1)
     reason = "the larger of the config's cluster.headroom and " if spec.headroom_bytes else ""
-    return dataclasses.replace(spec, headroom_fraction=max(spec.headroom_fraction, default.share),
+    return dataclasses.replace(spec, headroom_bytes=max(spec.headroom_bytes, default.bytes),
+                               headroom_fraction=max(spec.headroom_fraction, default.share),
                                headroom_by_kind=default.by_kind, headroom_reason=reason + default.reason)
 
 

@@ -26,9 +26,11 @@ more, identical to the byte), so what is left is the model's own miss:
 
 - CPU: by kind (:class:`PlanHeadroom` ``by_kind``): each choice's bytes grow by what the model
   was measured to miss on plans of its kind, its spread over launches and :data:`MISS_MARGIN`
-  (:class:`osdp_lightning.choices.base.MemoryMiss`, declared by each family and modifier); a kind
-  never measured keeps :data:`PLAN_HEADROOM_FRACTION` (2.5%), the model's largest miss under any
-  measured peak (:data:`LARGEST_MEASURED_MISS`, 1.9% on a Hugging Face BERT) and the margin;
+  (:class:`osdp_lightning.choices.base.MemoryMiss`, declared by each family and modifier), and
+  :data:`SMALL_MODEL_MISS_BYTES` (128 KiB) beside them for what the model misses in bytes on a tiny
+  model; a kind never measured keeps :data:`PLAN_HEADROOM_FRACTION` (2.5%), the model's largest
+  miss under any measured peak (:data:`LARGEST_MEASURED_MISS`, 1.9% on a Hugging Face BERT) and the
+  margin;
 - CPU with more ranks on a node than it has cores: :data:`SHARED_CORES_HEADROOM_FRACTION` (4%):
   time-sliced ranks free buffers in another order from launch to launch (uniform zero3 on 4 ranks
   sharing 2 cores peaked 1.0% apart) and the largest miss measured so was 2.0%;
@@ -65,6 +67,11 @@ units on the GPT 2 x 512, 1.3% under. The default headroom lies above it."""
 MISS_MARGIN = PLAN_HEADROOM_FRACTION - LARGEST_MEASURED_MISS
 """What a headroom keeps above a measured miss (0.6 points): for the shapes and models that were
 not measured. Headroom by kind keeps each kind's measured miss and spread plus this."""
+SMALL_MODEL_MISS_BYTES = 128 * 1024
+"""Bytes headroom by kind keeps free beside the shares: the model's largest miss in bytes on a tiny
+model, which no share of its bytes covers (a GPT 2 x 64 with a checkpointed part of a block, 2 gloo
+ranks: 2.51 MiB measured against 2.42 predicted, about 0.1 MB or 3.7%; on the larger GPTs a share is
+far more)."""
 SHARED_CORES_HEADROOM_FRACTION = 0.04
 UNMEASURED_HEADROOM_FRACTION = 0.04
 CUDA_PLAN_HEADROOM_FRACTION = 0.05
@@ -277,8 +284,9 @@ def plan_headroom(headroom: float | int | str | None, device: torch.device,
             return PlanHeadroom(0, SHARED_CORES_HEADROOM_FRACTION, f"the CPU default for {ranks_per_node} ranks "
                                 f"sharing {cores} cores: peaks move between launches (1.0% measured) and the "
                                 "memory model missed by up to 2.0% there")
-        return PlanHeadroom(0, 0.0, "the CPU default, by kind: each choice's bytes grown by its kind's largest "
-                            "measured miss and spread over launches, and a margin", by_kind=True)
+        return PlanHeadroom(SMALL_MODEL_MISS_BYTES, 0.0, "the CPU default, by kind: each choice's bytes grown by "
+                            "its kind's largest measured miss and spread over launches and a margin, and "
+                            f"{SMALL_MODEL_MISS_BYTES // 1024} KiB for a tiny model's", by_kind=True)
     if fragmentation is None:
         return PlanHeadroom(0, CUDA_PLAN_HEADROOM_FRACTION,
                             "the CUDA default (the allocator's fragmentation was not measured)")
