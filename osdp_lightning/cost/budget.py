@@ -284,9 +284,9 @@ def plan_headroom(headroom: float | int | str | None, device: torch.device,
             return PlanHeadroom(0, SHARED_CORES_HEADROOM_FRACTION, f"the CPU default for {ranks_per_node} ranks "
                                 f"sharing {cores} cores: peaks move between launches (1.0% measured) and the "
                                 "memory model missed by up to 2.0% there")
-        return PlanHeadroom(SMALL_MODEL_MISS_BYTES, 0.0, "the CPU default, by kind: each choice's bytes grown by "
-                            "its kind's largest measured miss and spread over launches and a margin, and "
-                            f"{SMALL_MODEL_MISS_BYTES // 1024} KiB for a tiny model's", by_kind=True)
+        return PlanHeadroom(SMALL_MODEL_MISS_BYTES, 0.0, f"the CPU default, by kind: {SMALL_MODEL_MISS_BYTES // 1024} "
+                            "KiB, and each choice's bytes grown by its kind's largest measured miss, spread over "
+                            "launches and a margin", by_kind=True)
     if fragmentation is None:
         return PlanHeadroom(0, CUDA_PLAN_HEADROOM_FRACTION,
                             "the CUDA default (the allocator's fragmentation was not measured)")
