@@ -27,7 +27,7 @@ more, identical to the byte), so what is left is the model's own miss:
 - CPU: by kind (:class:`PlanHeadroom` ``by_kind``): each choice's bytes grow by what the model
   was measured to miss on plans of its kind, its spread over launches and :data:`MISS_MARGIN`
   (:class:`osdp_lightning.choices.base.MemoryMiss`, declared by each family and modifier), and
-  :data:`SMALL_MODEL_MISS_BYTES` (128 KiB) beside them for what the model misses in bytes on a tiny
+  :data:`SMALL_MODEL_MISS_BYTES` (96 KiB) beside them for what the model misses in bytes on a tiny
   model; a kind never measured keeps :data:`PLAN_HEADROOM_FRACTION` (2.5%), the model's largest
   miss under any measured peak (:data:`LARGEST_MEASURED_MISS`, 1.9% on a Hugging Face BERT) and the
   margin;
@@ -67,7 +67,7 @@ units on the GPT 2 x 512, 1.3% under. The default headroom lies above it."""
 MISS_MARGIN = PLAN_HEADROOM_FRACTION - LARGEST_MEASURED_MISS
 """What a headroom keeps above a measured miss (0.6 points): for the shapes and models that were
 not measured. Headroom by kind keeps each kind's measured miss and spread plus this."""
-SMALL_MODEL_MISS_BYTES = 128 * 1024
+SMALL_MODEL_MISS_BYTES = 96 * 1024
 """Bytes headroom by kind keeps free beside the shares: the model's largest miss in bytes on a tiny
 model, which no share of its bytes covers (a GPT 2 x 64 with a checkpointed part of a block, 2 gloo
 ranks: 2.51 MiB measured against 2.42 predicted, about 0.1 MB or 3.7%; on the larger GPTs a share is

@@ -2,7 +2,7 @@
 write what happened as JSON (rank 0's and rank 1's, ``OUT.rank<r>``).
 
     python fabric_train.py --strategy ddp --clip 0.5 --out ddp.json
-    python fabric_train.py --strategy osdp --budget 60%ddp --clip 0.5 --out osdp.json
+    python fabric_train.py --strategy osdp --budget 70%ddp --clip 0.5 --out osdp.json
     python fabric_train.py --strategy osdp --hand-made-plan --clip 0.5 --accumulate 2 --out acc.json
     python fabric_train.py --strategy osdp --save-at 4 --ckpt-dir D --out a.json
     python fabric_train.py --strategy osdp --meta --optimizer-after-setup --resume D/step=4 --out b.json  # a's 5-8
@@ -175,7 +175,7 @@ def osdp_facts(fabric: L.Fabric, model: nn.Module) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="osdp", choices=("osdp", "ddp"))
-    parser.add_argument("--budget", default="60%ddp")
+    parser.add_argument("--budget", default="70%ddp")
     parser.add_argument("--hand-made-plan", action="store_true", help="apply HAND_MADE instead of solving")
     parser.add_argument("--lit", action="store_true", help="the recipe's LightningModule and schedule")
     parser.add_argument("--meta", action="store_true", help="build under fabric.init_module(empty_init=True)")
