@@ -161,6 +161,7 @@ def run_shape(shape: str, settings: dict[str, int], args: argparse.Namespace, wo
     print(f"  all-replicate peak {replicate_peak / 2**20:.2f} MiB; {len(jobs)} distinct plans, "
           f"{args.rounds} round(s)", flush=True)
     result = {"shape": shape, "settings": settings, "replicate_peak_bytes": replicate_peak, "budgets": budgets,
+              "usable_bytes": {label: pricing.usable_bytes(budget) for label, budget in budgets.items()},
               "units": len(pricing.table.units), "candidates": pool.records(), "runs": runs}
     for r in range(args.rounds):
         for cand in rotated(jobs, r):

@@ -5,8 +5,9 @@ run of the strategy (its planning launch; :mod:`benchmarks.compare_worker` pickl
 choice table the strategy builds from them. For a budget, the candidates are osdp's own plan (what
 the strategy solves from that profile), the uniform baselines, the next-best plans of the same ILP
 (each the best plan different from all earlier ones) and random assignments that fit. Every plan
-is solved or sampled against the part of the budget the strategy may plan (the budget less its
-headroom), so all compete for the same bytes.
+fits as the strategy's own plans must: the planning run's headroom rule at the candidate's budget,
+its peak priced on the table the strategy bounds (``bounded_table``: under headroom by kind, each
+choice's bytes grown by its kind's share) within the usable bytes, so all compete for the same bytes.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from osdp_lightning.choices import ChoiceOptions, choice_space
-from osdp_lightning.cost.budget import PLAN_HEADROOM_FRACTION
 from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.cost.cost import ChoiceTable
-from osdp_lightning.plan.choice_table import build_choice_table
+from osdp_lightning.plan.choice_table import bounded_table, build_choice_table
 from osdp_lightning.plan.plan import InfeasibleBudgetError, Plan, assemble_plan, make_plan
 from osdp_lightning.profiling.records import ModelProfile, with_units
 from osdp_lightning.solve import next_best_solutions, peak_bytes
@@ -51,7 +51,8 @@ class Candidate:
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "choices": [u.choice for u in self.plan.units],
                 "units": [u.name for u in self.plan.units], "predicted_step_s": self.plan.predicted_step_s,
-                "predicted_peak_bytes": self.plan.predicted_peak_bytes}
+                "predicted_peak_bytes": self.plan.predicted_peak_bytes,
+                "bounded_peak_bytes": self.plan.bounded_peak_bytes}
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,14 @@ class Pricing:
     budget everything fits: the blocks, with the embeddings and head left to the root), so that the
     uniform, next-best and random candidates use the units the strategy's own baselines use; osdp's
     candidates are solved from ``profile``, over every unit set, as the strategy solves them.
+    ``bounded``: ``table`` as the strategy bounds a plan's peak on it under ``cluster``'s headroom rule.
     """
 
     profile: ModelProfile
     cluster: ClusterSpec
     table: ChoiceTable
     units: ModelProfile
+    bounded: ChoiceTable
 
     @classmethod
     def load(cls, path: Path, unit_names: list[str] | None = None) -> Pricing:
@@ -78,23 +81,21 @@ class Pricing:
     def of(cls, profile: ModelProfile, cluster: ClusterSpec, unit_names: list[str] | None = None) -> Pricing:
         units = with_units(profile, unit_names) if unit_names is not None else profile
         table = build_choice_table(units, cluster, profile.micro_batch_size, choices=strategy_choices(cluster))
-        return cls(profile, cluster, table, units)
+        return cls(profile, cluster, table, units, bounded_table(table, cluster))
 
     def cluster_at(self, budget_bytes: int) -> ClusterSpec:
-        """The cluster at another budget, with the strategy's headroom."""
-        return dataclasses.replace(self.cluster, memory_budget_bytes=budget_bytes,
-                                   headroom_bytes=int(budget_bytes * PLAN_HEADROOM_FRACTION))
+        """The cluster at another budget, with the planning run's headroom rule (by kind, a share, bytes)."""
+        return dataclasses.replace(self.cluster, memory_budget_bytes=budget_bytes)
+
+    def usable_bytes(self, budget_bytes: int) -> int:
+        """What a plan's peak on :attr:`bounded` may reach at ``budget_bytes``."""
+        return self.cluster_at(budget_bytes).usable_bytes
 
     def candidate(self, name: str, kind: str, choices: tuple[str, ...], budget_bytes: int) -> Candidate:
         # NOTE: plan.assemble_plan is how make_plan turns an assignment into a Plan; reused, not copied.
         plan = assemble_plan(self.table, self.units, self.cluster_at(budget_bytes), tuple(choices), status="Fixed",
                          solve_s=0.0, gap=None, source=f"regret:{name}")
         return Candidate(name, kind, plan)
-
-
-def usable_bytes(budget_bytes: int) -> int:
-    """The part of a budget a plan may fill: the strategy keeps its headroom free."""
-    return budget_bytes - int(budget_bytes * PLAN_HEADROOM_FRACTION)
 
 
 def strategy_choices(cluster: ClusterSpec) -> tuple[Any, ...]:
@@ -122,7 +123,7 @@ def uniform_candidates(pricing: Pricing, budget_bytes: int) -> list[Candidate]:
 def next_best_candidates(pricing: Pricing, budget_bytes: int, osdp: Candidate, count: int,
                          label: str) -> list[Candidate]:
     """The ``count`` best plans of the ILP that are not osdp's (the solver's k-best enumeration)."""
-    found = [s.choices for s in next_best_solutions(pricing.table, usable_bytes(budget_bytes), count + 1)]
+    found = [s.choices for s in next_best_solutions(pricing.bounded, pricing.usable_bytes(budget_bytes), count + 1)]
     mine = tuple(u.choice for u in osdp.plan.units)
     others = [c for c in found if c != mine][:count]
     return [pricing.candidate(f"next-best {i + 1} @ {label}", "next-best", c, budget_bytes)
@@ -137,8 +138,9 @@ def _families(unit_choices: list[str]) -> dict[str, list[str]]:
     return families
 
 
-def random_assignments(table: ChoiceTable, budget_bytes: int, count: int, seed: int) -> list[tuple[str, ...]]:
-    """``count`` random assignments that fit, their peaks spread from the lightest plan up to the budget.
+def random_assignments(table: ChoiceTable, usable: int, count: int, seed: int) -> list[tuple[str, ...]]:
+    """``count`` random assignments whose peak on ``table`` (the bounded table) fits ``usable``,
+    their peaks spread from the lightest plan up to it.
 
     Each draws a target peak (stratified over the range, so they spread), starts from all-zero3 (or
     every unit's lightest choice when that does not fit) and, unit by unit in a random order, twice
@@ -146,7 +148,6 @@ def random_assignments(table: ChoiceTable, budget_bytes: int, count: int, seed: 
     target. Family first, so that the many split variants do not crowd out the rest.
     """
     rng = random.Random(seed)
-    usable = usable_bytes(budget_bytes)
     names = [[c.choice for c in unit.choices] for unit in table.units]
     start = ["zero3" if "zero3" in n else n[0] for n in names]
     if peak_bytes(table, start) > usable:
@@ -173,4 +174,5 @@ def random_assignments(table: ChoiceTable, budget_bytes: int, count: int, seed: 
 
 def random_candidates(pricing: Pricing, budget_bytes: int, count: int, seed: int, label: str) -> list[Candidate]:
     return [pricing.candidate(f"random {i + 1} @ {label}", "random", choices, budget_bytes)
-            for i, choices in enumerate(random_assignments(pricing.table, budget_bytes, count, seed))]
+            for i, choices in enumerate(random_assignments(pricing.bounded, pricing.usable_bytes(budget_bytes),
+                                                           count, seed))]

@@ -1,9 +1,11 @@
 """Tables, the regret verdicts and the scatter plot of :mod:`benchmarks.regret`.
 
-A candidate belongs to a budget when its predicted peak fits the part of the budget the strategy
-may plan (every plan drawn for a budget does), or, for a uniform baseline, when its measured peak
-fits the budget. It *fits* when its measured peak (max over rounds) is at or under the budget; the
-best candidate is the fastest that fits. Throughput ratios are taken round by round (osdp's run of
+A candidate belongs to a budget when its peak as the strategy bounds it (the predicted peak and its
+headroom by kind) fits the part of the budget the strategy may plan (the shape's ``usable_bytes``;
+every plan drawn for a budget does), or, for a uniform baseline, when its measured peak fits the
+budget (runs files without those figures were drawn under a flat 2.5% headroom and are read so).
+It *fits* when its measured peak (max over rounds) is at or under the budget; the best candidate is
+the fastest that fits. Throughput ratios are taken round by round (osdp's run of
 round r against the best candidate's run of round r), then the median, so that a slow round slows
 both sides alike.
 
@@ -40,8 +42,8 @@ from typing import Any
 import torch
 
 from benchmarks.compare_report import measured_text
-from benchmarks.regret_candidates import usable_bytes
 from osdp_lightning.choices import parse
+from osdp_lightning.cost.budget import PLAN_HEADROOM_FRACTION
 from osdp_lightning.plan.plan import choices_text
 
 MIB = 2**20
@@ -181,10 +183,15 @@ def error_sources_table(per_shape: list[tuple[dict[str, Any], list[dict[str, Any
     return "\n".join(lines)
 
 
-def members(rows: list[dict[str, Any]], budget: int) -> list[dict[str, Any]]:
+def usable_bytes(shape: dict[str, Any], label: str) -> int:
+    """The part of the budget ``label`` the shape's plans were drawn against (the module docstring)."""
+    budget = shape["budgets"][label]
+    return shape.get("usable_bytes", {}).get(label, budget - int(budget * PLAN_HEADROOM_FRACTION))
+
+
+def members(rows: list[dict[str, Any]], budget: int, usable: int) -> list[dict[str, Any]]:
     """The candidates of a budget (see the module docstring), those that trained."""
-    usable = usable_bytes(budget)
-    return [r for r in rows if r["runs_ok"] and (r["predicted_peak_bytes"] <= usable
+    return [r for r in rows if r["runs_ok"] and (r.get("bounded_peak_bytes", r["predicted_peak_bytes"]) <= usable
                                                  or (r["kind"] == "uniform" and r["peak_bytes"] <= budget))]
 
 
@@ -198,15 +205,17 @@ def osdp_row(rows: list[dict[str, Any]], label: str) -> dict[str, Any] | None:
     return next((r for r in rows if f"osdp @ {label}" in [r["name"], *r["aliases"]]), None)
 
 
-def fitting_rows(rows: list[dict[str, Any]], budget: int) -> list[dict[str, Any]]:
+def fitting_rows(rows: list[dict[str, Any]], budget: int, usable: int) -> list[dict[str, Any]]:
     """The candidates of a budget whose measured peak fits it, fastest first."""
-    return sorted((r for r in members(rows, budget) if r["peak_bytes"] <= budget), key=lambda r: -r["tokens_per_s"])
+    return sorted((r for r in members(rows, budget, usable) if r["peak_bytes"] <= budget),
+                  key=lambda r: -r["tokens_per_s"])
 
 
 def budget_row(shape: dict[str, Any], rows: list[dict[str, Any]], label: str, budget: int) -> dict[str, Any]:
     """Regret ratio, osdp's rank and the Spearman correlation at one budget."""
-    mine = members(rows, budget)
-    fitting = fitting_rows(rows, budget)
+    usable = usable_bytes(shape, label)
+    mine = members(rows, budget, usable)
+    fitting = fitting_rows(rows, budget, usable)
     osdp = osdp_row(rows, label)
     row: dict[str, Any] = {"shape": shape["shape"], "budget": label, "budget_bytes": budget,
                            "candidates": len(mine), "fitting": len(fitting),
@@ -235,7 +244,8 @@ def finalists(shape: dict[str, Any], top: int) -> dict[str, list[str]]:
     for label, budget in shape["budgets"].items():
         osdp = osdp_row(rows, label)
         if osdp is not None and osdp["runs_ok"]:
-            chosen[label] = [osdp["name"], *[r["name"] for r in fitting_rows(rows, budget) if r is not osdp][:top]]
+            fitting = fitting_rows(rows, budget, usable_bytes(shape, label))
+            chosen[label] = [osdp["name"], *[r["name"] for r in fitting if r is not osdp][:top]]
     return chosen
 
 

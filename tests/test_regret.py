@@ -19,17 +19,18 @@ from benchmarks.regret_candidates import (
     osdp_candidate,
     random_assignments,
     uniform_candidates,
-    usable_bytes,
 )
 from osdp_lightning.calibrate import CACHE_ENV
 from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.plan.choice_table import kept_free_table
 from osdp_lightning.profiling.records import ModelProfile, UnitProfile, with_parts
 from osdp_lightning.solve import peak_bytes, step_seconds
 
 MIB = 2**20
 
 
-def _pricing() -> Pricing:
+def _pricing(**headroom: object) -> Pricing:
+    """Four units priced as the strategy prices them on CPU (headroom by kind), or with ``headroom``."""
     units = tuple(UnitProfile(name=f"u{i}", module_names=(f"u{i}",), param_count=n, frozen_param_count=0,
                               forward_s=1e-3 * (i + 1), backward_s=2e-3, activation_bytes=1000)
                   for i, n in enumerate((300_000, 100_000, 200_000, 50_000)))
@@ -37,21 +38,36 @@ def _pricing() -> Pricing:
                            compute_bytes_per_element=4, reduce_bytes_per_element=4, optimizer_bytes_per_param=8,
                            activation_bytes=4000)
     cluster = ClusterSpec(world_size=2, memory_budget_bytes=10**9, collective_latency_s=1e-4,
-                          bandwidth_bytes_per_s=1e9)
+                          bandwidth_bytes_per_s=1e9, **(headroom or {"headroom_by_kind": True}))
     return Pricing.of(profile, cluster)
 
 
 def _all_fitting(pricing: Pricing, budget: int) -> list[tuple[float, tuple[str, ...]]]:
+    """Every plan whose peak as the strategy bounds it fits ``budget``, fastest first."""
     names = [[c.choice for c in unit.choices] for unit in pricing.table.units]
-    plans = [p for p in itertools.product(*names) if peak_bytes(pricing.table, p) <= budget]
+    usable = pricing.usable_bytes(budget)
+    plans = [p for p in itertools.product(*names) if peak_bytes(pricing.bounded, p) <= usable]
     return sorted((step_seconds(pricing.table, p), p) for p in plans)
+
+
+def test_candidates_keep_the_planning_clusters_headroom_rule() -> None:
+    """By kind: each choice's bytes grown, all the budget usable; a flat share: the plain table within the rest."""
+    by_kind, flat = _pricing(), _pricing(headroom_fraction=0.05)
+    assert by_kind.bounded == kept_free_table(by_kind.table) and by_kind.usable_bytes(10**6) == 10**6
+    assert flat.bounded == flat.table and flat.usable_bytes(10**6) == 10**6 - 50_000
+    zero3 = by_kind.candidate("zero3", "uniform", ("zero3",) * 4, 10**6).plan
+    assert zero3.kind_headroom_bytes > 0 and zero3.memory_budget_bytes == 10**6
+    assert zero3.bounded_peak_bytes == peak_bytes(by_kind.bounded, ("zero3",) * 4)
 
 
 def test_next_best_plans_are_the_k_best_after_osdp() -> None:
     pricing = _pricing()
     replicate = uniform_candidates(pricing, 10**9)[0].plan.predicted_peak_bytes
     budget = int(0.8 * replicate)
-    expected = _all_fitting(pricing, usable_bytes(budget))
+    expected = _all_fitting(pricing, budget)
+    plain = min(itertools.product(*[[c.choice for c in u.choices] for u in pricing.table.units]),
+                key=lambda p: (peak_bytes(pricing.table, p) > budget, step_seconds(pricing.table, p)))
+    assert peak_bytes(pricing.table, plain) <= budget < peak_bytes(pricing.bounded, plain)  # grown out by kind
     osdp = osdp_candidate(pricing, budget, "80%")
     assert osdp is not None and osdp.plan.predicted_step_s == pytest.approx(expected[0][0])
     found = next_best_candidates(pricing, budget, osdp, 4, "80%")
@@ -63,12 +79,12 @@ def test_next_best_plans_are_the_k_best_after_osdp() -> None:
 def test_random_plans_fit_differ_and_spread() -> None:
     pricing = _pricing()
     budget = uniform_candidates(pricing, 10**9)[0].plan.predicted_peak_bytes
-    plans = random_assignments(pricing.table, budget, 8, seed=3)
+    plans = random_assignments(pricing.bounded, budget, 8, seed=3)
     assert len(plans) == len(set(plans)) >= 5
-    peaks = [peak_bytes(pricing.table, p) for p in plans]
-    assert max(peaks) <= usable_bytes(budget)
-    assert max(peaks) - min(peaks) > 0.2 * (usable_bytes(budget) - min(peaks))
-    assert plans == random_assignments(pricing.table, budget, 8, seed=3)  # seeded
+    peaks = [peak_bytes(pricing.bounded, p) for p in plans]
+    assert max(peaks) <= budget
+    assert max(peaks) - min(peaks) > 0.2 * (budget - min(peaks))
+    assert plans == random_assignments(pricing.bounded, budget, 8, seed=3)  # seeded
 
 
 def test_spearman_with_ties() -> None:
