@@ -140,6 +140,21 @@ def test_process_budgets_are_fractions_of_the_replicate_runs_own_memory(tmp_path
         compare.budget_base({"peak_bytes": 120 * MIB, "own_above_fixed_bytes": 0}, "process")
 
 
+def test_process_budgets_run_with_large_tensors_from_mmap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    envs = []
+
+    def fake_run_ranks(cmd, log, timeout_s, env, ranks):  # noqa: ANN001, ANN202
+        envs.append(env)
+        log.write_text("not run")
+        return 1
+
+    monkeypatch.setattr(compare, "run_ranks", fake_run_ranks)
+    for covers in ("tensors", "process"):
+        args = compare.build_parser().parse_args(["--budget-covers", covers])
+        assert compare.launch("osdp", 1, {}, args, tmp_path, covers)["status"] == "error"
+    assert [env.get("MALLOC_MMAP_THRESHOLD_") for env in envs] == [None, "65536"]
+
+
 def test_round_order_starts_with_ddp_and_puts_every_run_in_every_position() -> None:
     first = compare.run_order((1.0, 0.5), ("ddp", "zero3", "osdp"), 0)
     assert first == [("ddp", None), ("zero3", None), ("osdp", 1.0), ("osdp", 0.5)]
