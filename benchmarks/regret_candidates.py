@@ -94,7 +94,7 @@ class Pricing:
     def candidate(self, name: str, kind: str, choices: tuple[str, ...], budget_bytes: int) -> Candidate:
         # NOTE: plan.assemble_plan is how make_plan turns an assignment into a Plan; reused, not copied.
         plan = assemble_plan(self.table, self.units, self.cluster_at(budget_bytes), tuple(choices), status="Fixed",
-                         solve_s=0.0, gap=None, source=f"regret:{name}")
+                             solve_s=0.0, gap=None, source=f"regret:{name}", bounded=self.bounded)
         return Candidate(name, kind, plan)
 
 

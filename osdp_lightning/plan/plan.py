@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from torch import nn
 
@@ -275,17 +276,30 @@ def make_plan(profile: ModelProfile, cluster: ClusterSpec, *, uniform_choice: Ch
         uniform_choice, choices = str(uniform), (uniform, uniform.base, REPLICATE)  # _uniform_plan's fallbacks
     # Coarsest unit set first, then smaller micro-batches: a later table must be strictly faster to win.
     descents = [()] if uniform_choice else unit_sets(profile)
-    tables = [(units, build_choice_table(units, cluster, batch, choices=choices, accumulation_steps=accumulation_steps))
+    tables = [_priced(units, build_choice_table(units, cluster, batch, choices=choices,
+                                                accumulation_steps=accumulation_steps), cluster)
               for units in (with_parts(profile, d, folded) for folded in root_folds(profile) for d in descents)
               for batch in candidates]
     if uniform_choice is not None:
-        best = max((_uniform_plan(table, units, cluster, uniform_choice) for units, table in tables),
+        best = max((_uniform_plan(priced, cluster, uniform_choice) for priced in tables),
                    key=lambda plan: plan.predicted_throughput)  # the first of equals
     else:
         best = _best_solved_plan(tables, cluster, time_limit_s)
     if best is None:
         raise _infeasible(tables, cluster, time_limit_s)
     return dataclasses.replace(best, accumulation_steps=accumulation_steps)
+
+
+class PricedTable(NamedTuple):
+    """A unit set's choice table, and the table its plans' peaks are bounded on (:func:`bounded_table`)."""
+
+    units: ModelProfile
+    table: ChoiceTable
+    bounded: ChoiceTable
+
+
+def _priced(units: ModelProfile, table: ChoiceTable, cluster: ClusterSpec) -> PricedTable:
+    return PricedTable(units, table, bounded_table(table, cluster))
 
 
 def fixed_plan(profile: ModelProfile, cluster: ClusterSpec, assignment: tuple[str, ...] | list[str], *,
@@ -297,7 +311,7 @@ def fixed_plan(profile: ModelProfile, cluster: ClusterSpec, assignment: tuple[st
     return assemble_plan(table, profile, cluster, tuple(assignment), status="Fixed", solve_s=0.0, gap=None, source=source)
 
 
-def _best_solved_plan(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: ClusterSpec,
+def _best_solved_plan(tables: list[PricedTable], cluster: ClusterSpec,
                       time_limit_s: float | None) -> Plan | None:
     """The highest-throughput plan of all ``tables`` (the first of equals), solving as few as it can.
 
@@ -305,14 +319,13 @@ def _best_solved_plan(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: C
     bytes of every unit exceed the usable budget: tables are solved most promising first, and one
     whose bound cannot beat the plan in hand is skipped (the answer is the same as solving all).
     """
-    bounds = [_throughput(table, cluster, step_lower_bound(table))
-              if peak_lower_bound(bounded_table(table, cluster)) <= cluster.usable_bytes else -1.0 for _, table in tables]
+    bounds = [_throughput(p.table, cluster, step_lower_bound(p.table))
+              if peak_lower_bound(p.bounded) <= cluster.usable_bytes else -1.0 for p in tables]
     best, best_key = None, (0.0, 0)
     for index in sorted(range(len(tables)), key=lambda i: (-bounds[i], i)):
         if bounds[index] < 0 or (best is not None and (bounds[index], -index) <= best_key):
             continue
-        units, table = tables[index]
-        plan = _solved_plan(table, units, cluster, time_limit_s)
+        plan = _solved_plan(tables[index], cluster, time_limit_s)
         if plan is not None and (best is None or (plan.predicted_throughput, -index) > best_key):
             best, best_key = plan, (plan.predicted_throughput, -index)
     return best
@@ -323,7 +336,7 @@ def _throughput(table: ChoiceTable, cluster: ClusterSpec, step_s: float) -> floa
     return table.micro_batch_size * cluster.world_size / step_s if step_s > 0 else 0.0
 
 
-def _infeasible(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: ClusterSpec,
+def _infeasible(tables: list[PricedTable], cluster: ClusterSpec,
                 time_limit_s: float | None) -> InfeasibleBudgetError:
     """The error naming the least budget for which a plan would be found, under the same headroom rule.
 
@@ -332,13 +345,13 @@ def _infeasible(tables: list[tuple[ModelProfile, ChoiceTable]], cluster: Cluster
     byte less and none is (exact unless ``time_limit_s`` stopped a solve: then a budget that fits).
     """
     need = None
-    for table in sorted((bounded_table(table, cluster) for _, table in tables), key=peak_lower_bound):
+    for table in sorted((p.bounded for p in tables), key=peak_lower_bound):
         if need is not None and peak_lower_bound(table) >= need:
             break  # no table from here on can need less
         least = smallest_feasible_budget(table, time_limit_s=time_limit_s)
         need = least if need is None else min(need, least)
     smallest = cluster.smallest_budget_for(need)
-    budget, batch = cluster.memory_budget_bytes, min(t.micro_batch_size for _, t in tables)
+    budget, batch = cluster.memory_budget_bytes, min(p.table.micro_batch_size for p in tables)
     headroom = cluster.headroom_for(budget)
     rule = _headroom_rule(cluster) + (f" and {format_bytes(cluster.untracked_bytes)} untracked "
                                       f"({cluster.untracked_reason})"
@@ -408,26 +421,29 @@ def root_folds(profile: ModelProfile) -> list[tuple[str, ...]]:
     return [loose, ()] if loose else [()]
 
 
-def _uniform_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpec, choice: str) -> Plan:
+def _uniform_plan(priced: PricedTable, cluster: ClusterSpec, choice: str) -> Plan:
     # NOTE: one rank, or a unit the choice does not fit: the choice without its modifiers (the root
     # is never checkpointed), else replicate (a split on a non-Linear).
     fallbacks = (choice, str(parse(choice).base), str(REPLICATE))
-    assignment = tuple(next(c for c in fallbacks if c in {o.choice for o in unit.choices}) for unit in table.units)
-    return assemble_plan(table, profile, cluster, assignment, status="Fixed", solve_s=0.0, gap=None,
-                     source=f"uniform:{choice}")
+    assignment = tuple(next(c for c in fallbacks if c in {o.choice for o in unit.choices}) for unit in priced.table.units)
+    return assemble_plan(priced.table, priced.units, cluster, assignment, status="Fixed", solve_s=0.0, gap=None,
+                         source=f"uniform:{choice}", bounded=priced.bounded)
 
 
-def _solved_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpec,
-                 time_limit_s: float | None) -> Plan | None:
-    solution = solve_choice_table(bounded_table(table, cluster), cluster.usable_bytes, time_limit_s=time_limit_s)
+def _solved_plan(priced: PricedTable, cluster: ClusterSpec, time_limit_s: float | None) -> Plan | None:
+    solution = solve_choice_table(priced.bounded, cluster.usable_bytes, time_limit_s=time_limit_s)
     if not solution.feasible:
         return None
-    return assemble_plan(table, profile, cluster, solution.choices, status=solution.status,
-                     solve_s=solution.solve_s, gap=solution.gap, source="solved")
+    return assemble_plan(priced.table, priced.units, cluster, solution.choices, status=solution.status,
+                         solve_s=solution.solve_s, gap=solution.gap, source="solved", bounded=priced.bounded)
 
 
 def assemble_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpec, assignment: tuple[str, ...],
-              *, status: str, solve_s: float, gap: float | None, source: str) -> Plan:
+                  *, status: str, solve_s: float, gap: float | None, source: str,
+                  bounded: ChoiceTable | None = None) -> Plan:
+    """The Plan of ``assignment`` on ``table``; ``bounded``: :func:`bounded_table` of it, when the
+    caller has it already."""
+    bounded = bounded_table(table, cluster) if bounded is None else bounded
     units = []
     for unit_costs, unit_profile, choice in zip(table.units, profile.units, assignment, strict=True):
         cost = unit_costs.cost_of(choice)
@@ -443,7 +459,7 @@ def assemble_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpe
             overhead_s=cost.overhead_s))
     step_s = step_seconds(table, assignment)
     peak = peak_bytes(table, assignment)
-    kind_headroom = peak_bytes(bounded_table(table, cluster), assignment) - peak if cluster.headroom_by_kind else 0
+    kind_headroom = peak_bytes(bounded, assignment) - peak if cluster.headroom_by_kind else 0
     return Plan(
         units=tuple(units), world_size=cluster.world_size, micro_batch_size=table.micro_batch_size,
         memory_budget_bytes=cluster.memory_budget_bytes, predicted_peak_bytes=peak,
@@ -453,7 +469,7 @@ def assemble_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpe
         profile_s=profile.profile_s, gap=gap, source=source,
         collective_latency_s=cluster.collective_latency_s, bandwidth_bytes_per_s=cluster.bandwidth_bytes_per_s,
         overlap_efficiency=cluster.overlap_efficiency, fixed_bytes=table.fixed_bytes,
-        baselines=uniform_baselines(table, cluster),
+        baselines=uniform_baselines(table, cluster, bounded),
         predicted_compute_s=sum(u.compute_s for u in units), predicted_optimizer_s=sum(u.optimizer_s for u in units),
         predicted_overhead_s=sum(u.overhead_s for u in units), predicted_exposed_comm_s=sum(u.comm_s for u in units),
         predicted_loop_s=table.fixed_step_s,
@@ -468,14 +484,16 @@ def assemble_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpe
 
 def kind_shares_text(assignment: Iterable[str]) -> str:
     """The share of its bytes each choice of ``assignment`` keeps under headroom by kind, largest
-    first: ``zero3+ckpt 2.6%, replicate 0.9%``."""
+    first: ``zero3+ckpt 2.5%, replicate 1.2%``."""
     shares = {choice: kept_share(choice) for choice in assignment}
     return ", ".join(f"{choice} {100 * share:.1f}%" for choice, share in sorted(shares.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def uniform_baselines(table: ChoiceTable, cluster: ClusterSpec) -> tuple[BaselinePrediction, ...]:
-    """replicate (ddp) / zero2 / zero3 for every unit, priced on ``table``; those a unit cannot take are left out."""
-    usable, bounded = cluster.usable_bytes, bounded_table(table, cluster)
+def uniform_baselines(table: ChoiceTable, cluster: ClusterSpec,
+                      bounded: ChoiceTable | None = None) -> tuple[BaselinePrediction, ...]:
+    """replicate (ddp) / zero2 / zero3 for every unit, priced on ``table``; those a unit cannot take are
+    left out. Each fits when its peak on ``bounded`` (default: :func:`bounded_table`) is usable."""
+    usable, bounded = cluster.usable_bytes, bounded_table(table, cluster) if bounded is None else bounded
     baselines = []
     for choice in map(str, BASE_CHOICES):
         if not all(any(c.choice == choice for c in unit.choices) for unit in table.units):
