@@ -70,8 +70,9 @@ class OSDPConfig:
     the gap); ``None`` always proves the optimum."""
     headroom: float | int | str | None = None
     """Part of the budget plans keep free for what the memory model misses: a share (``0.05``) or
-    bytes (``"256MiB"``); ``None``: 2.5% on CPU (4% with more ranks than cores), on CUDA 4% plus the
-    allocator's fragmentation measured while profiling. Given, it is all plans keep free."""
+    bytes (``"256MiB"``); ``None``: on CPU by kind of choice (each choice's bytes grown by its kind's
+    measured miss, 1.2-2.5%, and 96 KiB; 4% of the budget with more ranks than cores), on CUDA 4%
+    plus the allocator's fragmentation measured while profiling. Given, it is all plans keep free."""
     budget_covers: Literal["process", "tensors"] = "process"
     """What a budget in bytes or a share of the device bounds: ``"process"``, what the rank's process
     uses (plans also keep free what it grew by beyond tensors while osdp profiled and solved, CPU),
