@@ -106,11 +106,10 @@ class ClusterSpec:
         """Bytes a plan keeps free of ``budget_bytes``: the larger of the bytes and the share."""
         return max(self.headroom_bytes, int(budget_bytes * self.headroom_fraction))
 
-    def kept_free_bytes(self, budget_bytes: int, real_limit: bool | None = None) -> int:
+    def kept_free_bytes(self, budget_bytes: int) -> int:
         """Bytes a plan keeps free of ``budget_bytes``: its headroom, and the untracked bytes where the
-        budget counts them (``real_limit``; default: :attr:`untracked_counted`)."""
-        counted = self.untracked_counted if real_limit is None else real_limit
-        return self.headroom_for(budget_bytes) + (self.untracked_bytes if counted else 0)
+        budget counts them (:attr:`untracked_counted`)."""
+        return self.headroom_for(budget_bytes) + (self.untracked_bytes if self.untracked_counted else 0)
 
     @property
     def usable_bytes(self) -> int:
