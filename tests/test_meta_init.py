@@ -35,7 +35,7 @@ from osdp_lightning.profiling.fakestep import build_meta_module  # noqa: E402
 from osdp_lightning.profiling.materialize import UninitializedModuleError, has_meta_tensors, materialize  # noqa: E402
 
 STEPS = 6
-BUDGET = "60%ddp"  # below every uniform layout but zero3's: the plan mixes choices
+BUDGET = "65%ddp"  # below every uniform layout but zero3's, with room for the 96 KiB a tiny model keeps: the plan mixes choices
 
 
 def _run(tmp_path: Path, name: str, *args: str, steps: int = STEPS) -> list[dict]:
