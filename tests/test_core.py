@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib
 import math
 import random
 import re
 import sys
+import weakref
 from pathlib import Path
 
 import lightning as L
@@ -43,6 +45,7 @@ from osdp_lightning.profiling.fakestep import (  # noqa: E402
     step_runner,
 )
 from osdp_lightning.profiling.forward_rise import forward_rises  # noqa: E402
+from osdp_lightning.profiling.hook_cycles import multi_grad_hooks_released  # noqa: E402
 from osdp_lightning.profiling.optim_state import optimizer_state_bytes_per_param, optimizer_step_bytes  # noqa: E402
 from osdp_lightning.profiling.profile import _measure_step, _rescaled_to_free_steps, loss_runner  # noqa: E402
 from osdp_lightning.profiling.records import ModelProfile, UnitProfile  # noqa: E402
@@ -302,6 +305,34 @@ def test_profiling_leaves_no_trace() -> None:
     assert profile.units[1].largest_tensor_count == max(p.numel() for p in block.parameters())
     assert all(u.forward_s >= 0 and u.backward_s >= 0 for u in profile.units)
     assert profile.activation_bytes > 0
+
+
+
+def test_a_whole_profile_keeps_no_parameter_alive() -> None:
+    """Once the module lets go of its parameters (as FSDP2 does when it shards them), nothing the
+    whole profile ran still holds them: torch's module tracker would, for the rest of the process,
+    without :func:`~osdp_lightning.profiling.hook_cycles.multi_grad_hooks_released`."""
+    model = TorchTransformer()
+    batch = next(iter(model.train_dataloader()))
+    profile_lightning_module(model, batch, optimizer=model.configure_optimizers())
+    held = [weakref.ref(p) for p in model.parameters()]
+    for module in model.modules():
+        module._parameters.update({name: nn.Parameter(p.detach().clone())
+                                   for name, p in module._parameters.items() if p is not None})
+    gc.collect()
+    assert [tuple(ref().shape) for ref in held if ref() is not None] == []
+
+
+def test_releasing_the_trackers_hooks_leaves_the_users_own() -> None:
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(4, 8, requires_grad=True)
+    seen: list[torch.Tensor] = []
+    x.register_hook(seen.append)
+    with ModTracker(), multi_grad_hooks_released():
+        model(x).sum().backward()
+    assert len(seen) == 1 and list(x._backward_hooks.values()) == [seen.append]
 
 
 def test_profiling_draws_no_random_numbers() -> None:

@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from osdp_lightning.profiling.hook_cycles import multi_grad_hooks_released
 from osdp_lightning.profiling.profile import logging_disabled, loss_runner
 from osdp_lightning.profiling.recorder import (
     LiveStorageBytes,
@@ -420,7 +421,7 @@ def _tracked_step(module: nn.Module, run_loss: Callable[[], torch.Tensor], specs
     modules = ModTracker()  # NOTE: torch's own per-module backward start, as MemTracker uses it
     modules.register_user_hooks(pre_bw_hook=marker(tracker.backward_started))
     try:
-        with tracker, modules:
+        with tracker, modules, multi_grad_hooks_released():
             run_loss().backward()
     finally:
         for handle in handles:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from osdp_lightning.profiling.forward_rise import forward_rises
+from osdp_lightning.profiling.hook_cycles import multi_grad_hooks_released
 from osdp_lightning.profiling.recorder import StepRecorder
 from osdp_lightning.profiling.records import UnitProfile, with_measured_parts
 from osdp_lightning.profiling.units import ROOT, UnitSpec, owned_params
@@ -199,7 +200,7 @@ def measure_activation_peak(root: nn.Module, run_loss: Callable[[], torch.Tensor
     for param in root.parameters():
         if not param.requires_grad:
             tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
-    with tracker:
+    with tracker, multi_grad_hooks_released():
         run_loss().backward()
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
     active = sum(v for k, v in peak.items() if str(k).rsplit(".", 1)[-1] in ("ACT", "TEMP", "INP", "OTH"))
