@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from benchmarks.reprice_memory import profile_from_dict
+from osdp_lightning.choices import BASE_CHOICES
 from osdp_lightning.cost.cluster import ClusterSpec
+from osdp_lightning.plan.choice_table import build_choice_table
 from osdp_lightning.runtime import process_memory
 from osdp_lightning.runtime.process_memory import (
     CUDA_ALLOC_CONF,
@@ -21,8 +27,10 @@ from osdp_lightning.runtime.process_memory import (
     tensor_bytes,
     untracked_growth_bytes,
 )
+from osdp_lightning.solve import peak_bytes, solve_choice_table
 
 MIB = 2**20
+RECORDED = Path(__file__).parent / "fixtures" / "recorded_profiles.json"
 
 
 def test_tensor_bytes_counts_each_storage_once_and_nothing_on_meta() -> None:
@@ -79,6 +87,29 @@ def test_plans_keep_the_untracked_bytes_free_beside_the_headroom() -> None:
     with pytest.raises(ValueError, match="untracked"):
         ClusterSpec(world_size=2, memory_budget_bytes=MIB, collective_latency_s=0.0, bandwidth_bytes_per_s=1.0,
                     untracked_bytes=-1)
+
+
+
+def test_a_real_limit_prices_ddps_bucket_rebuild() -> None:
+    """Once, at the second step's forward, DDP's reducer allocates its buckets again before it frees
+    the first ones: where the budget counts that moment, the all-replicate plan of a recorded GPT
+    (27.7 MiB of gradients, 12 MiB of activations) peaks there, at the whole state plus the
+    replicated gradients again; solved at its step's peak, the plan replicates less."""
+    record = json.loads(RECORDED.read_text())["profiles"]["gpt_4x384_w2"]
+    profile = profile_from_dict(record["profile"])
+    step_only = ClusterSpec(memory_budget_bytes=2**40, **record["links"])
+    counted = dataclasses.replace(step_only, bucket_rebuild_counted=True)
+    plain, rebuilt = (build_choice_table(profile, c, choices=BASE_CHOICES) for c in (step_only, counted))
+    replicate = ["replicate"] * len(plain.units)
+    grads = sum(u.param_count for u in profile.units) * profile.grad_bytes_per_element
+    assert sum(unit.cost_of("replicate").rebuild_bytes for unit in rebuilt.units) == grads
+    assert all(c.rebuild_bytes == 0 for unit in rebuilt.units for c in unit.choices if c.choice != "replicate")
+    state = sum(unit.cost_of("replicate").state_bytes for unit in plain.units)
+    assert peak_bytes(rebuilt, replicate) == state + grads + plain.fixed_bytes > peak_bytes(plain, replicate)
+    budget = peak_bytes(plain, replicate)
+    solution = solve_choice_table(rebuilt, budget)
+    assert "zero" in " ".join(solution.choices) and peak_bytes(rebuilt, solution.choices) <= budget
+    assert solve_choice_table(plain, budget).choices == tuple(replicate)
 
 
 def test_expandable_segments_are_set_only_where_the_user_set_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

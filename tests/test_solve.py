@@ -81,6 +81,11 @@ def random_table(seed: int) -> ChoiceTable:
         if len(choices) < 3 and rng.random() < 0.2:
             choices.append(dataclasses.replace(choices[0], choice=f"dup{len(choices)}"))  # a tie under another name
         units.append(choices)
+    # Replicated choices DDP's bucket rebuild allocates for again (their own stream: the other draws
+    # stay as they were)
+    rebuilds = random.Random(seed + 15485863)
+    units = [[dataclasses.replace(c, rebuild_bytes=rebuilds.randint(0, 1500 * factor)) if rebuilds.random() < 0.3
+              else c for c in choices] for choices in units]
     overlaps = [rng.uniform(0.0, 0.6 * second) for _ in units]  # hides some, not all, of the collectives
     spans = [rng.random() < 0.2 for _ in units]  # the root, a tied embedding and head
     twins = random.Random(seed + 7919)  # repeated blocks: a unit the same as the one before it
@@ -106,7 +111,8 @@ def evaluate(table: ChoiceTable, combo: tuple[ChoiceCost, ...], pair_term: bool 
     reduce-scatter input of the units after it that do not span the step, less the sharded
     gradients of the units up to it and of those spanning the step); units that span the step are
     alive in every moment and see every unit in theirs, with no reduce-scatter input and nothing
-    given back. The optimizer step: the state, the fixed bytes and its own, nothing else.
+    given back. The optimizer step: the state, the fixed bytes and its own, nothing else. DDP's
+    bucket rebuild: the state, the fixed bytes and every choice's rebuild bytes.
     """
     transients = [c.transient_bytes for c in combo]
     held = [c.transient_bytes if c.prefetch_bytes is None else c.prefetch_bytes for c in combo]
@@ -136,7 +142,9 @@ def evaluate(table: ChoiceTable, combo: tuple[ChoiceCost, ...], pair_term: bool 
         moments += [alive(u, False) + forward[u] + before, alive(u, True) + ended,
                     alive(u, True) + transients[u] + beside + extra]
     state = sum(c.state_bytes for c in combo)
-    peak = max(state + max(moments) + table.activation_bytes, state + table.optimizer_step_bytes) + table.fixed_bytes
+    rebuild = sum(c.rebuild_bytes for c in combo)
+    peak = max(state + max(moments) + table.activation_bytes, state + table.optimizer_step_bytes,
+               state + rebuild) + table.fixed_bytes
     step = sum(c.compute_s + max(c.exposed_s, c.comm_s - (u.overlap_s if overlap else 0.0))
                for u, c in zip(table.units, combo, strict=True))
     return peak, step

@@ -52,7 +52,7 @@ def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
                       ctx.once_per_step_s(all_reduce_s(b.grads, ctx.cluster.world_size, ctx.cluster)), prefetch_bytes=0,
                       exposed_s=ctx.once_per_step_s(ctx.world_latency_s() * bucket_share), overhead_s=overhead_s, optimizer_s=optimizer_s,
                       activation_bytes=ctx.activation_bytes(unit), forward_bytes=0,
-                      unsaved_forward_bytes=ctx.unsaved_forward_bytes(unit))
+                      unsaved_forward_bytes=ctx.unsaved_forward_bytes(unit), rebuild_bytes=ctx.rebuilt_grad_bytes(b.grads))
 
 
 def backward_transient_bytes(unit: UnitProfile, b: UnitBytes, ctx: CostContext) -> int:

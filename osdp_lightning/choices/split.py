@@ -143,7 +143,8 @@ def cost(unit: UnitProfile, choice: Choice, ctx: CostContext) -> ChoiceCost:
                       prefetch_bytes=gathered if sharded else 0,
                       exposed_s=(2 + ctx.once_per_step_s(1)) * sharded * cluster.collective_latency_s if world > 1 else 0.0,
                       overhead_s=machinery_s, optimizer_s=optimizer_s,
-                      activation_bytes=activation_bytes, reduce_bytes=reduced if sharded else 0)
+                      activation_bytes=activation_bytes, reduce_bytes=reduced if sharded else 0,
+                      rebuild_bytes=ctx.rebuilt_grad_bytes(replicated * grads))
 
 
 def allowed(unit: UnitProfile, choice: Choice, ctx: CostContext) -> bool:

@@ -69,6 +69,11 @@ class ClusterSpec:
     untracked_counted: bool = True
     """Whether this budget counts :attr:`untracked_bytes`: a real limit does; a share of a
     baseline's predicted peak (``"70%ddp"``) bounds the priced tensors only."""
+    bucket_rebuild_counted: bool = False
+    """Whether plans are priced for DDP's bucket rebuild: once, at the second step's forward, the
+    reducer allocates its buckets again before it frees the first ones, the replicated gradients
+    twice beside the whole state. A real limit on the process counts it; a budget that bounds the
+    tensors of one tracked step (a later one) does not."""
     ranks_per_node: int | None = None
     """Ranks that share a node; ``None`` means all of them (one node)."""
     inter_node_bandwidth_bytes_per_s: float | None = None

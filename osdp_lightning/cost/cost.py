@@ -50,6 +50,13 @@ class CostContext:
         backward to the last one's: all of them when accumulating, none otherwise."""
         return unsharded_grad_bytes if self.accumulation_steps > 1 else 0
 
+    def rebuilt_grad_bytes(self, replicated_grad_bytes: int) -> int:
+        """What DDP's bucket rebuild allocates for ``replicated_grad_bytes`` of gradients on its
+        reducer: all of them again, where the cluster counts that moment and there is a reducer
+        (more than one rank); else 0."""
+        cluster = self.cluster
+        return replicated_grad_bytes if cluster.bucket_rebuild_counted and cluster.world_size > 1 else 0
+
     def overhead_s(self, kind: str, groups: float, nbytes: float) -> float:
         """Seconds per step of ``groups`` FSDP2 groups (or a reducer) of ``kind`` holding ``nbytes``
         of parameters: the machinery besides compute and collectives (0 without step terms)."""
@@ -185,6 +192,11 @@ class ChoiceCost:
     nothing for backward (:meth:`CostContext.unsaved_forward_bytes`). A forward that keeps fewer
     activations than that (a checkpointed one: only its input) still climbs to it while its
     parameters are gathered: :attr:`forward_end_bytes` counts the difference."""
+
+    rebuild_bytes: int = 0
+    """Bytes DDP's reducer allocates for this unit's gradients a second time when it rebuilds its
+    buckets (replicated gradients), where the cluster counts that moment
+    (:attr:`~osdp_lightning.cost.cluster.ClusterSpec.bucket_rebuild_counted`; else 0)."""
 
     @property
     def prefetch(self) -> int:

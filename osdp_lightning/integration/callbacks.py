@@ -38,21 +38,28 @@ from osdp_lightning.runtime.process_memory import CodePagesAtPeak, high_water_by
 WARMUP_STEPS = 2
 
 
+STEADY_STEP = 2
+"""The step whose memory is tracked by default: the optimizer's state exists, nothing runs once."""
+REBUILD_STEP = 1
+"""The step whose forward DDP's reducer rebuilds its buckets in (once per training)."""
+
+
 class TrainingSummary(Callback):
     """Collects ``summary``: tokens/s, samples/s, peak bytes per rank, budget, final loss.
 
     Args:
         tokens_per_sample: Tokens in one sample; by default the second dimension of the first
             tensor in the batch (``(B, T)`` token ids), else 1.
-        track_memory_step: Index of the step whose memory is tracked (after the optimizer has
-            created its state, so the peak is the steady-state one).
+        track_memory_step: Index of the step whose memory is tracked, after the optimizer has
+            created its state; ``None``: the third (2), or the second (1) where the osdp plan counts
+            DDP's bucket rebuild (``Plan.rebuild_bytes``), which happens in that step's forward.
         module_memory: Also keep, in ``summary["module_memory"]``, the bytes per tracked module at
             the start and peak of its forward and backward (CPU trackers only) of the rank whose
             step peaked highest (``summary["module_memory_rank"]``): where in the step memory
             peaks, to set beside the cost model's moments (``python -m benchmarks.memory_moments``).
     """
 
-    def __init__(self, tokens_per_sample: int | None = None, track_memory_step: int = 2,
+    def __init__(self, tokens_per_sample: int | None = None, track_memory_step: int | None = None,
                  module_memory: bool = False) -> None:
         self.tokens_per_sample = tokens_per_sample
         self.track_memory_step = track_memory_step
@@ -72,6 +79,9 @@ class TrainingSummary(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.track_memory_step is None:
+            rebuilt = getattr(getattr(trainer.strategy, "_plan", None), "rebuild_bytes", 0)
+            self.track_memory_step = REBUILD_STEP if rebuilt else STEADY_STEP
         self._setup_peak_bytes = process_peak_bytes(trainer.strategy.root_device)
         if (file_then := getattr(trainer.strategy, "fixed_file_bytes", 0)) and trainer.strategy.root_device.type == "cpu":
             self._code_pages = CodePagesAtPeak(file_then)

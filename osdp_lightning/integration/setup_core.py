@@ -341,7 +341,8 @@ class OSDPSetup:
         real_limit = process and (config.budget is None or not config.budget.needs_profile)
         untracked = self._untracked_bytes if process else 0  # NOTE: a budget named in bytes counts it
         return dataclasses.replace(spec, step_terms=self.step_terms, headroom_reason=headroom.reason,
-                                   untracked_bytes=untracked, untracked_counted=real_limit, untracked_reason=(
+                                   untracked_bytes=untracked, untracked_counted=real_limit,
+                                   bucket_rebuild_counted=real_limit, untracked_reason=(
                                        "measured at setup: what rank 0's own memory grew by beyond tensors "
                                        "while it profiled and solved" if untracked else ""))
 

@@ -78,7 +78,7 @@ def build_choice_table(profile: ModelProfile, cluster: ClusterSpec, micro_batch_
 
 CHOICE_BYTE_FIELDS = ("state_bytes", "held_bytes", "transient_bytes", "prefetch_bytes", "activation_bytes",
                       "forward_bytes", "backward_prefetch_bytes", "late_grad_bytes", "reduce_bytes",
-                      "unsaved_forward_bytes")
+                      "unsaved_forward_bytes", "rebuild_bytes")
 """Every byte field of a :class:`ChoiceCost`: what the memory rows and moments are made of."""
 
 

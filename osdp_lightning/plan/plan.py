@@ -137,6 +137,11 @@ class Plan:
     """Bytes of the budget kept free for what the process needs beside the priced tensors, and
     where they were measured (:attr:`~osdp_lightning.cost.cluster.ClusterSpec.untracked_bytes`)."""
     untracked_reason: str = ""
+    rebuild_bytes: int = 0
+    """Replicated gradient bytes DDP's reducer allocates a second time when it rebuilds its buckets
+    (once, at the second step's forward), where the budget counts that moment
+    (:attr:`~osdp_lightning.cost.cluster.ClusterSpec.bucket_rebuild_counted`): the predicted peak
+    counts it; 0 where it is not counted or nothing is replicated."""
     param_dtype: str = ""
     """The dtype its sharded units gather in and the dtype they reduce gradients in, as priced and as
     applied (FSDP2's ``MixedPrecisionPolicy``; ``bf16-mixed``: ``"bfloat16"``, ``"float32"``);
@@ -227,7 +232,9 @@ class Plan:
                f"({100 * self.headroom_bytes / self.memory_budget_bytes:.1f}%: {self.headroom_reason or 'as given'})"
                if self.headroom_bytes else "")
             + (f"; untracked kept free {format_bytes(self.untracked_bytes)} ({self.untracked_reason})"
-               if self.untracked_bytes else ""),
+               if self.untracked_bytes else "")
+            + (f"; DDP's bucket rebuild at the second step counted ({format_bytes(self.rebuild_bytes)} of "
+               "gradients again)" if self.rebuild_bytes else ""),
             f"predicted step: {self.predicted_step_s:.4f} s at micro-batch {self.micro_batch_size} x "
             f"{self.world_size} ranks = {self.predicted_throughput:.1f} samples/s",
             f"  = compute {self.predicted_compute_s:.4f} + optimizer {self.predicted_optimizer_s:.4f} + FSDP "
@@ -479,6 +486,7 @@ def assemble_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpe
         kind_headroom_bytes=kind_headroom,
         untracked_bytes=cluster.untracked_bytes if cluster.untracked_counted else 0,
         untracked_reason=cluster.untracked_reason if cluster.untracked_counted else "",
+        rebuild_bytes=sum(unit.cost_of(choice).rebuild_bytes for unit, choice in zip(table.units, assignment, strict=True)),
         param_dtype=profile.param_dtype, reduce_dtype=profile.reduce_dtype)
 
 

@@ -151,7 +151,7 @@ def peak_bytes(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> int:
     costs = chosen_costs(table, choices)
     moments = moment_peak(parts_of(costs), [unit.spans_step for unit in table.units])
     return (sum(cost.state_bytes for cost in costs) + table.activation_bytes + table.fixed_bytes
-            + max(moments, optimizer_moment_bytes(table)))
+            + max(moments, optimizer_moment_bytes(table), rebuild_moment_bytes(table, costs)))
 
 
 def optimizer_moment_bytes(table: ChoiceTable) -> int:
@@ -159,6 +159,13 @@ def optimizer_moment_bytes(table: ChoiceTable) -> int:
     terms of :func:`moment_peak` (which counts the activations in every moment; by the optimizer
     step backward has freed them): negative when no plan peaks there."""
     return table.optimizer_step_bytes - table.activation_bytes
+
+
+def rebuild_moment_bytes(table: ChoiceTable, costs: Sequence[ChoiceCost]) -> int:
+    """DDP's bucket rebuild's moment besides the state, the activations and the fixed bytes, in the
+    terms of :func:`moment_peak`: the replicated gradients a second time (:attr:`ChoiceCost.rebuild_bytes`)
+    as a forward starts, no activation alive yet; negative when no plan peaks there."""
+    return sum(cost.rebuild_bytes for cost in costs) - table.activation_bytes
 
 
 def moment_bytes(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> list[tuple[int, int]]:
@@ -186,14 +193,15 @@ def step_seconds(table: ChoiceTable, choices: tuple[str, ...] | list[str]) -> fl
 
 def memory_key(cost: ChoiceCost) -> tuple[int, ...]:
     """State, live, forward, forward end, transient, prefetch and backward prefetch bytes, whether it gathers
-    nothing in forward / in backward, the sharded gradients it gives back (more is better) and its
-    reduce-scatter input (priced as the largest after a unit: less is never worse)."""
+    nothing in forward / in backward, the sharded gradients it gives back (more is better), its
+    reduce-scatter input (priced as the largest after a unit: less is never worse) and what DDP's
+    bucket rebuild allocates for it."""
     # NOTE: the peak grows with each of these (moment_peak). Gathering nothing (prefetch 0) lets a
     # farther unit's buffer through: worse in that respect than gathering a little, a key of its own.
     return (cost.state_bytes, cost.live_bytes, cost.forward_peak_bytes, cost.forward_end_bytes,
             cost.transient_bytes, cost.prefetch,
             cost.backward_prefetch, int(cost.prefetch == 0), int(cost.backward_prefetch == 0),
-            -cost.late_grad_bytes, cost.reduce_bytes)
+            -cost.late_grad_bytes, cost.reduce_bytes, cost.rebuild_bytes)
 
 
 def undominated(unit: UnitCosts) -> list[ChoiceCost]:
@@ -235,7 +243,8 @@ def peak_lower_bound(table: ChoiceTable) -> int:
                   for name, size in MEMORY_PARTS.items())
     # Neighbours only: with each unit's least prefetch, a carried buffer could be one no plan has.
     moments = moment_peak(parts, [unit.spans_step for unit in table.units], through=False)
-    moments = max(moments, optimizer_moment_bytes(table))
+    least_rebuild = sum(min(c.rebuild_bytes for c in unit.choices) for unit in table.units)
+    moments = max(moments, optimizer_moment_bytes(table), least_rebuild - table.activation_bytes)
     return sum(min(c.state_bytes for c in unit.choices) for unit in table.units) + moments + table.activation_bytes + table.fixed_bytes
 
 

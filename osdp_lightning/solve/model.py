@@ -52,6 +52,7 @@ from osdp_lightning.solve.evaluate import (
     optimizer_moment_bytes,
     own_moment_bytes,
     parts_of,
+    rebuild_moment_bytes,
     reduced_after,
     transient_ceiling,
     undominated,
@@ -141,7 +142,7 @@ def build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> M
     scale = _memory_scale(table)
     problem = pulp.LpProblem("osdp", pulp.LpMinimize)
     peak_t = _new_variable(problem, "T", pulp.LpContinuous)
-    variables, kept_terms, lives, lates = [], [], [], []
+    variables, kept_terms, lives, lates, rebuilds = [], [], [], [], []
     sizes: dict[str, list[_Level]] = {key: [] for key in MEMORY_PARTS if key not in ("live", "late")}
     offset = table.activation_bytes + table.fixed_bytes
     kept: dict[tuple, list[ChoiceCost]] = {}  # identical units (same costs) are pruned once
@@ -162,6 +163,7 @@ def build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> M
         lives.append((-least, terms))  # the live bytes, to give back
         least, terms = _differences(pairs, MEMORY_PARTS["late"], scale, 1.0)
         lates.append((-least, terms))  # the sharded gradients, given back in backward
+        rebuilds.append(_differences(pairs, lambda c: c.rebuild_bytes, scale, -1.0))
         for name in sizes:
             sizes[name].append(_differences(pairs, MEMORY_PARTS[name], scale, -1.0))
     levels, suffix_vars = _absent_levels(problem, table, lives)
@@ -173,12 +175,19 @@ def build_model(table: ChoiceTable, prune: bool = True, carry: bool = True) -> M
         # T >= the optimizer step's moment less every unit's live bytes (none is alive there)
         row = _summed([(peak_t, 1.0), *(term for _, terms in lives for term in terms)])
         problem += row >= (optimizer_moment_bytes(table) + sum(constant for constant, _ in lives)) / scale, "optimizer"
+    if any(terms or least for least, terms in rebuilds):
+        # T >= DDP's bucket rebuild's moment less every unit's live bytes (none is alive there)
+        row = _summed([(peak_t, 1.0), *(term for _, terms in lives for term in terms),
+                       *(term for _, terms in rebuilds for term in terms)])
+        least = sum(least for least, _ in rebuilds) - table.activation_bytes
+        problem += row >= (least + sum(constant for constant, _ in lives)) / scale, "rebuild"
     forbidden = _order_rows(problem, table, variables, carry) if prune else {}
     memory = _summed([*kept_terms, (peak_t, 1.0)])
     largest = [[max(map(size, (c for c, _ in pairs))) for pairs in variables] for size in (
         own_moment_bytes, buffer_bytes, MEMORY_PARTS["reduce"])]
     max_peak = (offset + round(sum(coef for _, coef in kept_terms) * scale)
-                + max(transient_ceiling(*largest), optimizer_moment_bytes(table)))
+                + max(transient_ceiling(*largest), optimizer_moment_bytes(table),
+                      sum(max(c.rebuild_bytes for c, _ in pairs) for pairs in variables) - table.activation_bytes))
     memory_row = memory <= (max_peak + 1 - offset) / scale  # constrains nothing until a budget is set
     problem += memory_row, "memory"
     columns = (peak_t, *suffix_vars, *prefix_vars, *carries, *(x for pairs in variables for _, x in pairs))
@@ -403,7 +412,7 @@ def seed_values(table: ChoiceTable, model: Model, choices: Sequence[str]) -> tup
               for pairs, choice in zip(model.variables, choices, strict=True) for c, x in pairs}
     costs = chosen_costs(table, choices)
     spans = [unit.spans_step for unit in table.units]
-    peak = max(moment_peak(parts_of(costs), spans), optimizer_moment_bytes(table))
+    peak = max(moment_peak(parts_of(costs), spans), optimizer_moment_bytes(table), rebuild_moment_bytes(table, costs))
     values["T"] = (peak - sum(c.live_bytes for c in costs)) / model.scale
     suffix = 0.0
     for u in range(len(costs) - 1, -1, -1):
