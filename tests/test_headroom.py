@@ -79,18 +79,17 @@ def test_the_named_smallest_budget_plans_and_one_byte_less_does_not(seed: int) -
         smallest = smallest_named(err)
         assert smallest > budget and ("untracked (measured)" in str(err)) == bool(untracked)
         assert ("budget_covers='tensors'" in str(err)) == bool(untracked)  # the other way out, named
-        # a later launch may measure up to half again the untracked growth: the named budget fits it
-        # then, and one byte less does not
-        later = math.ceil(1.5 * untracked)
-        fits = make_plan(profile, spec(smallest, headroom_bytes, fraction, later))
-        assert fits.bounded_peak_bytes <= spec(smallest, headroom_bytes, fraction, later).usable_bytes
+        # plans keep half again the untracked growth measured (training's own differs): the named
+        # budget fits that, and one byte less does not
+        fits = make_plan(profile, spec(smallest, headroom_bytes, fraction, untracked))
+        assert fits.bounded_peak_bytes <= spec(smallest, headroom_bytes, fraction, untracked).usable_bytes
         with pytest.raises(InfeasibleBudgetError) as below:
-            make_plan(profile, spec(smallest - 1, headroom_bytes, fraction, later))
+            make_plan(profile, spec(smallest - 1, headroom_bytes, fraction, untracked))
         if not untracked:
             assert smallest_named(below.value) == smallest  # the same figure from one byte below
     else:
         assert plan.bounded_peak_bytes <= spec(budget, headroom_bytes, fraction, untracked).usable_bytes
-        assert plan.untracked_bytes == untracked
+        assert plan.untracked_bytes == math.ceil(1.5 * untracked)
         assert (plan.kind_headroom_bytes > 0) == (rule == "by_kind")
 
 

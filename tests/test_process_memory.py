@@ -77,8 +77,8 @@ def test_untracked_growth_is_what_grew_beyond_the_tensors_left_alive() -> None:
 def test_plans_keep_the_untracked_bytes_free_beside_the_headroom() -> None:
     spec = ClusterSpec(world_size=2, memory_budget_bytes=480 * MIB, collective_latency_s=1e-4,
                        bandwidth_bytes_per_s=1e9, headroom_fraction=0.025, untracked_bytes=16 * MIB)
-    assert spec.usable_bytes == 480 * MIB - 12 * MIB - 16 * MIB
-    assert spec.kept_free_bytes(400 * MIB) == 10 * MIB + 16 * MIB
+    assert spec.usable_bytes == 480 * MIB - 12 * MIB - 24 * MIB  # measured 16 MiB, and half again
+    assert spec.kept_free_bytes(400 * MIB) == 10 * MIB + 24 * MIB
     # a budget named in bytes leaves room for a later launch measuring half again (24 MiB); exact there
     assert spec.named_untracked_bytes == 24 * MIB
     smallest = spec.smallest_budget_for(440 * MIB)

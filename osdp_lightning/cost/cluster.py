@@ -31,7 +31,9 @@ from osdp_lightning.cost.step_terms import StepTerms, step_terms_from_config
 
 UNTRACKED_LAUNCH_SPREAD = 0.5
 """How much more untracked growth a launch may measure than another of the same model: 15.4 and
-18.4 MiB for one Mistral built from its config, 16.5-23.8 MiB for the GPT 4-6 x 768 (at most 1.44x)."""
+18.4 MiB for one Mistral built from its config, 16.5-23.8 MiB for the GPT 4-6 x 768 (at most 1.44x).
+Training's own growth differs from what setup measured by as much: the same all-replicate plan of
+the GPT 4 x 384 used 140.4-142.6 MiB of its own memory in three launches."""
 
 
 @dataclass(frozen=True)
@@ -112,9 +114,9 @@ class ClusterSpec:
         return max(self.headroom_bytes, int(budget_bytes * self.headroom_fraction))
 
     def kept_free_bytes(self, budget_bytes: int) -> int:
-        """Bytes a plan keeps free of ``budget_bytes``: its headroom, and the untracked bytes where the
-        budget counts them (:attr:`untracked_counted`)."""
-        return self.headroom_for(budget_bytes) + (self.untracked_bytes if self.untracked_counted else 0)
+        """Bytes a plan keeps free of ``budget_bytes``: its headroom, and where the budget counts the
+        untracked bytes (:attr:`untracked_counted`) :attr:`named_untracked_bytes`."""
+        return self.headroom_for(budget_bytes) + (self.named_untracked_bytes if self.untracked_counted else 0)
 
     @property
     def usable_bytes(self) -> int:
@@ -123,12 +125,13 @@ class ClusterSpec:
 
     @property
     def named_untracked_bytes(self) -> int:
-        """The untracked bytes a budget named in bytes leaves room for: what this launch measured and
-        :data:`UNTRACKED_LAUNCH_SPREAD` of it again, since the next launch measures its own."""
+        """The untracked bytes a budget that counts them keeps free: what this launch measured and
+        :data:`UNTRACKED_LAUNCH_SPREAD` of it again, since training's own growth, and the next
+        launch's measure, differ from it."""
         return math.ceil(self.untracked_bytes * (1 + UNTRACKED_LAUNCH_SPREAD))
 
     def smallest_budget_for(self, usable_bytes: int) -> int:
-        """The least budget in bytes (a real limit: :attr:`named_untracked_bytes` counted) whose
+        """The least budget in bytes (a real limit: :attr:`named_untracked_bytes` kept free) whose
         usable bytes (budget less what plans keep free) reach ``usable_bytes``.
 
         Exact for any headroom rule that grows by at most one byte per byte of budget (bytes, a

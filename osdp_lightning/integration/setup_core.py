@@ -298,7 +298,7 @@ class OSDPSetup:
         if plan.bounded_peak_bytes > cluster.usable_bytes:
             return self._solve(profile, step)
         counted = cluster.untracked_counted
-        return dataclasses.replace(plan, untracked_bytes=cluster.untracked_bytes if counted else 0,
+        return dataclasses.replace(plan, untracked_bytes=cluster.named_untracked_bytes if counted else 0,
                                    untracked_reason=cluster.untracked_reason if counted else "")
 
     def _solve(self, profile: ModelProfile, step: StepInputs) -> Plan:
@@ -343,8 +343,8 @@ class OSDPSetup:
         return dataclasses.replace(spec, step_terms=self.step_terms, headroom_reason=headroom.reason,
                                    untracked_bytes=untracked, untracked_counted=real_limit,
                                    bucket_rebuild_counted=real_limit, untracked_reason=(
-                                       "measured at setup: what rank 0's own memory grew by beyond tensors "
-                                       "while it profiled and solved" if untracked else ""))
+                                       "what rank 0's own memory grew by beyond tensors while it profiled and "
+                                       "solved, and half again: training's own growth differs" if untracked else ""))
 
     # -- 4. apply ------------------------------------------------------------------------------
     def apply(self, module: nn.Module, root: nn.Module) -> None:

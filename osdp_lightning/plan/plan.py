@@ -360,7 +360,7 @@ def _infeasible(tables: list[PricedTable], cluster: ClusterSpec,
     smallest = cluster.smallest_budget_for(need)
     budget, batch = cluster.memory_budget_bytes, min(p.table.micro_batch_size for p in tables)
     headroom = cluster.headroom_for(budget)
-    rule = _headroom_rule(cluster) + (f" and {format_bytes(cluster.untracked_bytes)} untracked "
+    rule = _headroom_rule(cluster) + (f" and {format_bytes(cluster.named_untracked_bytes)} untracked "
                                       f"({cluster.untracked_reason})"
                                       if cluster.untracked_counted and cluster.untracked_bytes else "")
     untracked = (f"{format_bytes(cluster.named_untracked_bytes)} untracked, half again what this launch "
@@ -484,7 +484,7 @@ def assemble_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpe
         headroom_bytes=cluster.headroom_for(cluster.memory_budget_bytes) + kind_headroom,
         headroom_reason=cluster.headroom_reason + (f" ({kind_shares_text(assignment)})" if cluster.headroom_by_kind else ""),
         kind_headroom_bytes=kind_headroom,
-        untracked_bytes=cluster.untracked_bytes if cluster.untracked_counted else 0,
+        untracked_bytes=cluster.named_untracked_bytes if cluster.untracked_counted else 0,
         untracked_reason=cluster.untracked_reason if cluster.untracked_counted else "",
         rebuild_bytes=sum(unit.cost_of(choice).rebuild_bytes for unit, choice in zip(table.units, assignment, strict=True)),
         param_dtype=profile.param_dtype, reduce_dtype=profile.reduce_dtype)
