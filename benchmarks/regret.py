@@ -8,7 +8,9 @@ Per model shape (``--shapes``: the benchmark's default GPT, and the same with 12
 1. a planning launch: the strategy profiles and solves at a budget everything fits (the worker's
    default); its profile and measured collective figures price every candidate of the shape;
 2. round 0 starts with the all-replicate plan, whose measured peak sets the budgets
-   (``--fractions`` of it); then the candidates of every budget are drawn
+   (``--fractions`` of it; ``--budget-covers process``: of its own memory above its fixed cost,
+   each run with ``compare.PROCESS_ENV``, and a run fits when its own memory does); then the
+   candidates of every budget are drawn
    (:mod:`benchmarks.regret_candidates`): osdp's plan, the uniform baselines, the ``--next-best``
    best plans that are not osdp's, and ``--random`` random plans that fit;
 3. every distinct plan is trained once per round (``--plan``, so setup does not profile or solve
@@ -70,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--confirm-top", type=int, default=2,
                         help="finalists per budget besides osdp's plan: the fastest that fit, by the screening")
     parser.add_argument("--seed", type=int, default=0, help="training seed; random plans use it too")
+    parser.add_argument("--budget-covers", choices=("tensors", "process"), default="tensors",
+                        help="tensors: budgets are fractions of the all-replicate run's tracked peak, and a run fits "
+                             "when its tracked peak does; process: of its own memory above its fixed cost, and a run "
+                             "fits when its own memory does (the candidates are priced as the strategy prices a "
+                             "budget in bytes either way)")
     compare.add_run_arguments(parser, "regret", run_timeout_s=600.0)
     return parser
 
@@ -155,12 +162,14 @@ def run_shape(shape: str, settings: dict[str, int], args: argparse.Namespace, wo
     if runs[0]["status"] != "ok":
         raise SystemExit(f"the all-replicate run of {shape} failed; no budgets without it:\n{runs[0].get('message')}")
     replicate_peak = int(runs[0]["summary"]["peak_bytes"])
-    budgets = {budget_label(float(f)): int(float(f) * replicate_peak) for f in args.fractions.split(",") if f}
+    base = int(runs[0]["summary"][regret_report.FIT_FIGURE[args.budget_covers]])
+    budgets = {budget_label(float(f)): int(float(f) * base) for f in args.fractions.split(",") if f}
     draw_candidates(pool, pricing, budgets, args)
     jobs = pool.candidates()
-    print(f"  all-replicate peak {replicate_peak / 2**20:.2f} MiB; {len(jobs)} distinct plans, "
-          f"{args.rounds} round(s)", flush=True)
+    print(f"  all-replicate peak {replicate_peak / 2**20:.2f} MiB, budgets of {base / 2**20:.2f} MiB "
+          f"({args.budget_covers}); {len(jobs)} distinct plans, {args.rounds} round(s)", flush=True)
     result = {"shape": shape, "settings": settings, "replicate_peak_bytes": replicate_peak, "budgets": budgets,
+              "budget_covers": args.budget_covers, "budget_base_bytes": base,
               "usable_bytes": {label: pricing.usable_bytes(budget) for label, budget in budgets.items()},
               "units": len(pricing.table.units), "candidates": pool.records(), "runs": runs}
     for r in range(args.rounds):

@@ -19,8 +19,8 @@ def _panel(ax: Any, shape: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         mine = [r for r in ok if r["kind"] == kind]
         if not mine:
             continue
-        fits = [r for r in mine if r["peak_bytes"] <= smallest]
-        rest = [r for r in mine if r["peak_bytes"] > smallest]
+        fits = [r for r in mine if r["fit_bytes"] <= smallest]
+        rest = [r for r in mine if r["fit_bytes"] > smallest]
         for group, face in ((fits, color), (rest, "none")):
             if group:
                 ax.scatter([r["predicted_step_s"] for r in group], [r["step_s"] for r in group], s=40,

@@ -4,7 +4,8 @@ A candidate belongs to a budget when its peak as the strategy bounds it (the pre
 headroom by kind) fits the part of the budget the strategy may plan (the shape's ``usable_bytes``;
 every plan drawn for a budget does), or, for a uniform baseline, when its measured peak fits the
 budget (runs files without those figures were drawn under a flat 2.5% headroom and are read so).
-It *fits* when its measured peak (max over rounds) is at or under the budget; the best candidate is
+It *fits* when its measured peak (max over rounds) is at or under the budget (under process budgets,
+a shape's ``budget_covers``: its own memory above its fixed cost); the best candidate is
 the fastest that fits. Throughput ratios are taken round by round (osdp's run of
 round r against the best candidate's run of round r), then the median, so that a slow round slows
 both sides alike.
@@ -48,6 +49,9 @@ from osdp_lightning.plan.plan import choices_text
 
 MIB = 2**20
 REGRET_TARGET, SPEARMAN_TARGET = 0.97, 0.9
+FIT_FIGURE = {"tensors": "peak_bytes", "process": "own_above_fixed_bytes"}
+"""What a shape's budgets are shares of and what fits them, by its ``budget_covers``: the all-replicate
+run's and each run's summary figure."""
 SCREEN, CONFIRM = "screen", "confirm"
 """A run's stage: the rounds that rank every candidate, or the later rounds of the finalists."""
 
@@ -112,6 +116,7 @@ def spearman_beyond_noise(predicted: list[float], steps: list[float], share: flo
 def measured(shape: dict[str, Any], stage: str = SCREEN) -> list[dict[str, Any]]:
     """One row per candidate: its predictions and the medians of its successful runs of ``stage``."""
     rows, runs = [], [r for r in shape["runs"] if r.get("stage", SCREEN) == stage]
+    fit_figure = FIT_FIGURE[shape.get("budget_covers", "tensors")]
     for cand in shape["candidates"]:
         ok = [r for r in runs if r["candidate"] == cand["name"] and r["status"] == "ok"]
         row = {**cand, "runs_ok": len(ok),
@@ -120,6 +125,8 @@ def measured(shape: dict[str, Any], stage: str = SCREEN) -> list[dict[str, Any]]
             row.update(step_s=statistics.median(r["summary"]["step_s"] for r in ok),
                        tokens_per_s=statistics.median(r["summary"]["tokens_per_s"] for r in ok),
                        peak_bytes=max(r["summary"]["peak_bytes"] for r in ok),
+                       fit_bytes=max(r["summary"].get(fit_figure, 0) for r in ok),
+                       own_bytes=max(r["summary"].get("own_above_fixed_bytes") or 0 for r in ok),
                        by_round={r["round"]: r["summary"]["tokens_per_s"] for r in ok},
                        steps=[r["summary"]["step_s"] for r in ok])
         rows.append(row)
@@ -192,7 +199,7 @@ def usable_bytes(shape: dict[str, Any], label: str) -> int:
 def members(rows: list[dict[str, Any]], budget: int, usable: int) -> list[dict[str, Any]]:
     """The candidates of a budget (see the module docstring), those that trained."""
     return [r for r in rows if r["runs_ok"] and (r.get("bounded_peak_bytes", r["predicted_peak_bytes"]) <= usable
-                                                 or (r["kind"] == "uniform" and r["peak_bytes"] <= budget))]
+                                                 or (r["kind"] == "uniform" and r["fit_bytes"] <= budget))]
 
 
 def _paired_ratio(mine: dict[str, Any], best: dict[str, Any]) -> float:
@@ -207,7 +214,7 @@ def osdp_row(rows: list[dict[str, Any]], label: str) -> dict[str, Any] | None:
 
 def fitting_rows(rows: list[dict[str, Any]], budget: int, usable: int) -> list[dict[str, Any]]:
     """The candidates of a budget whose measured peak fits it, fastest first."""
-    return sorted((r for r in members(rows, budget, usable) if r["peak_bytes"] <= budget),
+    return sorted((r for r in members(rows, budget, usable) if r["fit_bytes"] <= budget),
                   key=lambda r: -r["tokens_per_s"])
 
 
@@ -219,7 +226,8 @@ def budget_row(shape: dict[str, Any], rows: list[dict[str, Any]], label: str, bu
     osdp = osdp_row(rows, label)
     row: dict[str, Any] = {"shape": shape["shape"], "budget": label, "budget_bytes": budget,
                            "candidates": len(mine), "fitting": len(fitting),
-                           "over_budget": [r["name"] for r in mine if r["peak_bytes"] > budget]}
+                           "over_budget": [r["name"] for r in mine if r["fit_bytes"] > budget],
+                           "most_of_budget": max((r["fit_bytes"] / budget for r in mine), default=None)}
     predicted, steps = [r["predicted_step_s"] for r in mine], [r["step_s"] for r in mine]
     row["noise"] = noise_share(mine)
     row["spearman"] = spearman(predicted, steps)
@@ -229,7 +237,7 @@ def budget_row(shape: dict[str, Any], rows: list[dict[str, Any]], label: str, bu
         return row
     best = fitting[0]
     row.update(status="ok", osdp=osdp["name"], osdp_tokens_per_s=osdp["tokens_per_s"],
-               osdp_fits=osdp["peak_bytes"] <= budget, best=best["name"], best_tokens_per_s=best["tokens_per_s"],
+               osdp_fits=osdp["fit_bytes"] <= budget, best=best["name"], best_tokens_per_s=best["tokens_per_s"],
                regret_ratio=_paired_ratio(osdp, best) if best is not osdp else 1.0,
                osdp_rank=1 + sum(1 for r in fitting if r is not osdp and r["tokens_per_s"] > osdp["tokens_per_s"]),
                osdp_choices=choices_text(osdp["choices"]))
@@ -313,16 +321,16 @@ def candidates_table(shape: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [f"shape {shape['shape']} ({shape['units']} units; all-replicate peak "
              f"{shape['replicate_peak_bytes'] / MIB:.2f} MiB):", "",
              "| candidate | also found as | predicted step s | measured step s | tokens/s | predicted peak MiB "
-             "| measured peak MiB | fits (measured) | plan |", "|" + "---|" * 9]
+             "| measured peak MiB | own memory MiB | fits (measured) | plan |", "|" + "---|" * 10]
     for r in sorted(rows, key=lambda r: r.get("step_s", float("inf"))):
         if not r["runs_ok"]:
             lines.append(f"| {r['name']} | {', '.join(r['aliases'])} | {r['predicted_step_s']:.4f} "
-                         f"| {'failed' if r['runs_failed'] else 'not run'} | | | | | |")
+                         f"| {'failed' if r['runs_failed'] else 'not run'} | | | | | | |")
             continue
-        fits = ", ".join(label for label, b in budgets.items() if r["peak_bytes"] <= b) or "none"
+        fits = ", ".join(label for label, b in budgets.items() if r["fit_bytes"] <= b) or "none"
         lines.append(f"| {r['name']} | {', '.join(r['aliases'])} | {r['predicted_step_s']:.4f} | {r['step_s']:.4f} "
                      f"| {r['tokens_per_s']:.0f} | {r['predicted_peak_bytes'] / MIB:.2f} | {r['peak_bytes'] / MIB:.2f} "
-                     f"| {fits} | {choices_text(r['choices'])} |")
+                     f"| {_fmt(r['own_bytes'] / MIB if r['own_bytes'] else None, '.2f')} | {fits} | {choices_text(r['choices'])} |")
     return "\n".join(lines)
 
 
@@ -337,6 +345,11 @@ def verdicts(budget_rows: list[dict[str, Any]], confirmed: Sequence[dict[str, An
     lines = [_regret_verdict("regret ratio", [r["regret_ratio"] for r in ok])]
     if confirmed:
         lines.append(_regret_verdict("confirmed regret ratio", [r["regret_ratio"] for r in confirmed if r["status"] == "ok"]))
+    most = [r["most_of_budget"] for r in budget_rows if r.get("most_of_budget") is not None]
+    over = sum(len(r["over_budget"]) for r in budget_rows)
+    lines.append("- every candidate of a budget within it (measured; own memory under process budgets): "
+                 + ("n/a" if not most else f"{'MET' if not over else 'MISSED'} (highest {max(most):.1%} of its budget"
+                    + (f"; {over} over)" if over else ")")))
     return [*lines,
             f"- Spearman(predicted, measured step) beyond the run's noise >= {SPEARMAN_TARGET}: "
             + ("n/a" if not rhos else f"{'MET' if min(rhos) >= SPEARMAN_TARGET else 'MISSED'} "

@@ -166,6 +166,20 @@ def test_budget_row_pairs_rounds_and_excludes_plans_over_budget() -> None:
     assert "| s | 100% | 100.00 | 3 / 4 | 675 | replicate | 900 | 0.750 | 3 of 3 |" in text
 
 
+def test_under_process_budgets_a_run_fits_when_its_own_memory_does() -> None:
+    shape = {**_shape(), "budget_covers": "process"}
+    own = {"osdp @ 100%": 97, "replicate": 104, "random 1 @ 100%": 101, "random 2 @ 100%": 99}
+    for run in shape["runs"]:
+        run["summary"]["own_above_fixed_bytes"] = own[run["candidate"]] * MIB
+    row = regret_report.budget_row(shape, regret_report.measured(shape), "100%", 100 * MIB)
+    # replicate's own memory does not fit: no longer a candidate; random 1's tracked peak fits, its own
+    # memory does not; random 2's tracked peak is over, its own memory fits
+    assert row["candidates"] == 3 and row["fitting"] == 2 and row["over_budget"] == ["random 1 @ 100%"]
+    assert row["best"] == "random 2 @ 100%" and row["osdp_fits"] and row["most_of_budget"] == pytest.approx(1.01)
+    assert ("- every candidate of a budget within it (measured; own memory under process budgets): MISSED "
+            "(highest 101.0% of its budget; 1 over)") in regret_report.verdicts([row])
+
+
 def _confirmed_shape() -> dict:
     """:func:`_shape` with three confirmation rounds of its finalists; random 1 peaks over the budget in one."""
     shape = _shape()
