@@ -8,7 +8,7 @@ holds the hook, from C++ (through its input's hook dict): a cycle Python's garba
 see. It keeps the step's autograd graph alive, and through the graph's ``AccumulateGrad`` nodes
 every parameter of the model, after the module has let go of them (torch 2.13). A whole profile
 on rank 0 thus kept the unsharded weights of a GPT 4 x 384 (27.7 MiB) alive through training,
-after FSDP2 had sharded them: rank 0's own memory 38 MiB above rank 1's.
+after FSDP2 had sharded them: rank 0's anonymous memory 39 MiB above rank 1's.
 """
 
 from __future__ import annotations

@@ -45,8 +45,9 @@ def knapsack_dp(table: ChoiceTable, budget_bytes: int, resolution_bytes: int = 2
     worst = [max(map(own_moment_bytes, unit.choices)) for unit in units]
     worst_prefetch = [max(map(buffer_bytes, unit.choices)) for unit in units]
     worst_reduce = [max(c.reduce_bytes for c in unit.choices) for unit in units]
-    # NOTE: the optimizer step's moment (state, fixed and its own bytes) lies below persistent + its own bytes
-    # and DDP's bucket rebuild's (state, fixed and the replicated gradients again) below persistent + the most those can be
+    # NOTE: the optimizer step's moment (state, fixed and its own bytes) lies below persistent + its own
+    # bytes; DDP's bucket rebuild's (state, fixed and the replicated gradients again) below persistent +
+    # the most any plan's rebuild allocates
     rebuild = sum(max(c.rebuild_bytes for c in unit.choices) for unit in units)
     reserve = max(transient_ceiling(worst, worst_prefetch, worst_reduce) + table.activation_bytes,
                   table.optimizer_step_bytes, rebuild) + table.fixed_bytes
