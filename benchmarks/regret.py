@@ -135,8 +135,11 @@ def train(cand: Candidate, round_index: int, settings: dict[str, int], args: arg
 
 
 def plan_shape(shape: str, settings: dict[str, int], args: argparse.Namespace, work: Path) -> Pricing:
-    """The planning launch: the strategy's profile and cluster figures, at a budget everything fits."""
-    planning = compare.launch("osdp", None, settings, args, work, f"{shape}_planning")
+    """The planning launch: the strategy's profile and cluster figures, at a budget everything fits
+    (under process budgets a real limit: its cluster keeps free the untracked growth it measured and
+    counts DDP's bucket rebuild, and so does every candidate priced on it)."""
+    covers = ("--budget-covers", args.budget_covers)
+    planning = compare.launch("osdp", None, settings, args, work, f"{shape}_planning", covers)
     pickled = work / f"{shape}_planning.pkl"
     if planning.get("status") != "ok" or not pickled.exists():
         raise SystemExit(f"the planning run of {shape} failed:\n{planning.get('message')}")
