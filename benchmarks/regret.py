@@ -138,7 +138,7 @@ def plan_shape(shape: str, settings: dict[str, int], args: argparse.Namespace, w
     """The planning launch: the strategy's profile and cluster figures, at a budget everything fits
     (under process budgets a real limit: its cluster keeps free the untracked growth it measured and
     counts DDP's bucket rebuild, and so does every candidate priced on it)."""
-    covers = ("--budget-covers", args.budget_covers)
+    covers = ("--budget-covers", getattr(args, "budget_covers", "tensors"))
     planning = compare.launch("osdp", None, settings, args, work, f"{shape}_planning", covers)
     pickled = work / f"{shape}_planning.pkl"
     if planning.get("status") != "ok" or not pickled.exists():
