@@ -75,9 +75,10 @@ class OSDPConfig:
     plus the allocator's fragmentation measured while profiling. Given, it is all plans keep free."""
     budget_covers: Literal["process", "tensors"] = "process"
     """What a budget in bytes or a share of the device bounds: ``"process"``, what the rank's process
-    uses (plans also keep free what it grew by beyond tensors while osdp profiled and solved, CPU),
-    or ``"tensors"``, only the tensors the memory model prices, as a share of a baseline's peak
-    (``"95%ddp"``) always does."""
+    uses (plans also keep free half again what it grew by beyond tensors while osdp profiled and
+    solved, CPU, and count DDP's bucket rebuild at the second step), or ``"tensors"``, only the
+    tensors the memory model prices in a steady step, as a share of a baseline's peak (``"95%ddp"``)
+    always does."""
     calibration_cache: bool = True
     """Reuse the step-time terms measured earlier on this machine (the median of the last
     ``OSDP_LIGHTNING_CALIBRATION_DRAWS`` calibrations); ``False`` measures anew."""
