@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tensors: budgets are fractions of the all-replicate run's tracked peak, and a run fits "
                              "when its tracked peak does; process: of its own memory above its fixed cost, and a run "
                              "fits when its own memory does (the candidates are priced as the strategy prices a "
-                             "budget in bytes either way)")
+                             "budget in bytes that covers the same: OSDPConfig.budget_covers)")
     compare.add_run_arguments(parser, "regret", run_timeout_s=600.0)
     return parser
 

@@ -307,7 +307,6 @@ def test_profiling_leaves_no_trace() -> None:
     assert profile.activation_bytes > 0
 
 
-
 def test_a_whole_profile_keeps_no_parameter_alive() -> None:
     """Once the module lets go of its parameters (as FSDP2 does when it shards them), nothing the
     whole profile ran still holds them: torch's module tracker would, for the rest of the process,
