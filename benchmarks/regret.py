@@ -165,7 +165,7 @@ def run_shape(shape: str, settings: dict[str, int], args: argparse.Namespace, wo
     if runs[0]["status"] != "ok":
         raise SystemExit(f"the all-replicate run of {shape} failed; no budgets without it:\n{runs[0].get('message')}")
     replicate_peak = int(runs[0]["summary"]["peak_bytes"])
-    base = int(runs[0]["summary"][regret_report.FIT_FIGURE[args.budget_covers]])
+    base = compare.budget_base(runs[0]["summary"], args.budget_covers)
     budgets = {budget_label(float(f)): int(float(f) * base) for f in args.fractions.split(",") if f}
     draw_candidates(pool, pricing, budgets, args)
     jobs = pool.candidates()

@@ -42,16 +42,16 @@ from typing import Any
 
 import torch
 
-from benchmarks.compare_report import measured_text
+from benchmarks.compare_report import OWN, measured_text
 from osdp_lightning.choices import parse
 from osdp_lightning.cost.budget import PLAN_HEADROOM_FRACTION
 from osdp_lightning.plan.plan import choices_text
 
 MIB = 2**20
 REGRET_TARGET, SPEARMAN_TARGET = 0.97, 0.9
-FIT_FIGURE = {"tensors": "peak_bytes", "process": "own_above_fixed_bytes"}
-"""What a shape's budgets are shares of and what fits them, by its ``budget_covers``: the all-replicate
-run's and each run's summary figure."""
+FIT_FIGURE = {"tensors": "peak_bytes", "process": OWN}
+"""What fits a shape's budgets, by its ``budget_covers``: each run's summary figure
+(:func:`benchmarks.compare.budget_base` takes the same of the all-replicate run for the budgets)."""
 SCREEN, CONFIRM = "screen", "confirm"
 """A run's stage: the rounds that rank every candidate, or the later rounds of the finalists."""
 
@@ -126,7 +126,7 @@ def measured(shape: dict[str, Any], stage: str = SCREEN) -> list[dict[str, Any]]
                        tokens_per_s=statistics.median(r["summary"]["tokens_per_s"] for r in ok),
                        peak_bytes=max(r["summary"]["peak_bytes"] for r in ok),
                        fit_bytes=max(r["summary"].get(fit_figure, 0) for r in ok),
-                       own_bytes=max(r["summary"].get("own_above_fixed_bytes") or 0 for r in ok),
+                       own_bytes=max(r["summary"].get(OWN) or 0 for r in ok),
                        by_round={r["round"]: r["summary"]["tokens_per_s"] for r in ok},
                        steps=[r["summary"]["step_s"] for r in ok])
         rows.append(row)

@@ -114,9 +114,14 @@ class ClusterSpec:
         return max(self.headroom_bytes, int(budget_bytes * self.headroom_fraction))
 
     def kept_free_bytes(self, budget_bytes: int) -> int:
-        """Bytes a plan keeps free of ``budget_bytes``: its headroom, and where the budget counts the
-        untracked bytes (:attr:`untracked_counted`) :attr:`named_untracked_bytes`."""
-        return self.headroom_for(budget_bytes) + (self.named_untracked_bytes if self.untracked_counted else 0)
+        """Bytes a plan keeps free of ``budget_bytes``: its headroom and :attr:`kept_untracked_bytes`."""
+        return self.headroom_for(budget_bytes) + self.kept_untracked_bytes
+
+    @property
+    def kept_untracked_bytes(self) -> int:
+        """What plans keep free for the untracked growth: :attr:`named_untracked_bytes` where the
+        budget counts it (:attr:`untracked_counted`), else nothing."""
+        return self.named_untracked_bytes if self.untracked_counted else 0
 
     @property
     def usable_bytes(self) -> int:

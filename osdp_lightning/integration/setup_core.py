@@ -297,9 +297,8 @@ class OSDPSetup:
         cluster = self.cluster_spec(plan.memory_budget_bytes)
         if plan.bounded_peak_bytes > cluster.usable_bytes:
             return self._solve(profile, step)
-        counted = cluster.untracked_counted
-        return dataclasses.replace(plan, untracked_bytes=cluster.named_untracked_bytes if counted else 0,
-                                   untracked_reason=cluster.untracked_reason if counted else "")
+        kept = cluster.kept_untracked_bytes
+        return dataclasses.replace(plan, untracked_bytes=kept, untracked_reason=cluster.untracked_reason if kept else "")
 
     def _solve(self, profile: ModelProfile, step: StepInputs) -> Plan:
         config, budget = self.config, self.config.budget

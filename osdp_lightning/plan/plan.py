@@ -360,13 +360,12 @@ def _infeasible(tables: list[PricedTable], cluster: ClusterSpec,
     smallest = cluster.smallest_budget_for(need)
     budget, batch = cluster.memory_budget_bytes, min(p.table.micro_batch_size for p in tables)
     headroom = cluster.headroom_for(budget)
-    rule = _headroom_rule(cluster) + (f" and {format_bytes(cluster.named_untracked_bytes)} untracked "
-                                      f"({cluster.untracked_reason})"
-                                      if cluster.untracked_counted and cluster.untracked_bytes else "")
+    kept_untracked = cluster.kept_untracked_bytes
+    rule = _headroom_rule(cluster) + (f" and {format_bytes(kept_untracked)} untracked ({cluster.untracked_reason})"
+                                      if kept_untracked else "")
     untracked = (f"{format_bytes(cluster.named_untracked_bytes)} untracked, half again what this launch "
                  "measured: the next measures its own" if cluster.untracked_bytes else "")
-    tensors_only = (", or bound only the priced tensors (budget_covers='tensors')"
-                    if cluster.untracked_counted and cluster.untracked_bytes else "")
+    tensors_only = ", or bound only the priced tensors (budget_covers='tensors')" if kept_untracked else ""
     if cluster.headroom_by_kind:
         kept = "its headroom by kind included" + (f", of which {untracked}" if untracked else "")
     else:
@@ -484,8 +483,8 @@ def assemble_plan(table: ChoiceTable, profile: ModelProfile, cluster: ClusterSpe
         headroom_bytes=cluster.headroom_for(cluster.memory_budget_bytes) + kind_headroom,
         headroom_reason=cluster.headroom_reason + (f" ({kind_shares_text(assignment)})" if cluster.headroom_by_kind else ""),
         kind_headroom_bytes=kind_headroom,
-        untracked_bytes=cluster.named_untracked_bytes if cluster.untracked_counted else 0,
-        untracked_reason=cluster.untracked_reason if cluster.untracked_counted else "",
+        untracked_bytes=cluster.kept_untracked_bytes,
+        untracked_reason=cluster.untracked_reason if cluster.kept_untracked_bytes else "",
         rebuild_bytes=sum(unit.cost_of(choice).rebuild_bytes for unit, choice in zip(table.units, assignment, strict=True)),
         param_dtype=profile.param_dtype, reduce_dtype=profile.reduce_dtype)
 
