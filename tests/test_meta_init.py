@@ -23,16 +23,22 @@ from osdp_lightning.recipes.gpt import GPT, GPTLitModule  # noqa: E402
 from osdp_lightning.choices import ChoiceOptions  # noqa: E402
 from osdp_lightning.choices import split as split_choice  # noqa: E402
 from osdp_lightning.cost.budget import parse_memory_budget  # noqa: E402
+from osdp_lightning.integration.config import OSDPConfig  # noqa: E402
+from osdp_lightning.integration.setup_core import OSDPSetup, Ranks, StepInputs  # noqa: E402
 from osdp_lightning.plan.measure import profile_lightning_module  # noqa: E402
 from osdp_lightning.plan.pipeline import (  # noqa: E402
+    WHOLE_PROFILE_STEP_COPIES,
+    WHOLE_PROFILE_WEIGHT_COPIES,
     ProfileOptions,
     budget_floor_bytes,
     check_setup_fits,
     whole_profile_fits,
+    whole_profile_peak_bytes,
 )
 from osdp_lightning.plan.unitbench import UnitMeasureError, profile_from_shapes  # noqa: E402
-from osdp_lightning.profiling.fakestep import build_meta_module  # noqa: E402
+from osdp_lightning.profiling.fakestep import build_meta_module, peak_new_bytes, step_peak_bytes  # noqa: E402
 from osdp_lightning.profiling.materialize import UninitializedModuleError, has_meta_tensors, materialize  # noqa: E402
+from osdp_lightning.profiling.profile import logging_disabled  # noqa: E402
 
 STEPS = 6
 BUDGET = "65%ddp"  # below every uniform layout but zero3's, with room for the 96 KiB a tiny model keeps: the plan mixes choices
@@ -247,6 +253,42 @@ def test_an_eager_model_is_profiled_whole_only_where_three_copies_of_its_weights
     floor = budget_floor_bytes(model, parse_memory_budget("100%ddp"), device_bytes=2**40, world_size=2)
     assert floor == 4 * weights and whole_profile_fits(model, floor)
     assert not whole_profile_fits(model, budget_floor_bytes(model, parse_memory_budget("60%ddp"), 2**40, 2))
+
+
+def _gpt_batch(size: int = 4) -> dict[str, torch.Tensor]:
+    tokens = torch.randint(0, CONFIG.vocab_size, (size, CONFIG.block_size + 1), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+
+def test_a_fake_step_counts_the_bytes_a_real_step_creates() -> None:
+    torch.manual_seed(0)
+    model, batch = GPTLitModule(GPT(CONFIG)), _gpt_batch()
+    fake = step_peak_bytes(model, batch)
+    assert all(p.grad is None for p in model.parameters())  # the fake step ran on a fake copy
+    with logging_disabled(model):
+        real = peak_new_bytes(lambda: model.training_step(batch, 0).backward(), [*model.parameters(), *model.buffers()])
+    assert fake == pytest.approx(real, rel=0.02)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    assert whole_profile_peak_bytes(model, batch) == 2 * weights + WHOLE_PROFILE_STEP_COPIES * fake
+
+
+def _whole_under(budget: int | str, model: nn.Module, batch: object, **config: object) -> bool:
+    setup = OSDPSetup(OSDPConfig(memory_budget=budget, **config), Ranks(torch.device("cpu"), 1, 1, 1, 0))
+    return setup.decide_whole_profile(model, StepInputs(batch=lambda: batch, optimizer=None))
+
+
+def test_under_a_real_limit_an_eager_model_is_profiled_whole_only_where_its_step_fits_too() -> None:
+    model, batch = GPTLitModule(GPT(CONFIG)), _gpt_batch(size=16)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    peak = whole_profile_peak_bytes(model, batch)
+    assert peak is not None and peak > WHOLE_PROFILE_WEIGHT_COPIES * weights  # this batch's activations outweigh a copy
+    assert _whole_under(peak, model, batch) and not _whole_under(peak - 1, model, batch)
+    # a budget that bounds the priced tensors, not the process, keeps the copies' rule
+    assert _whole_under(WHOLE_PROFILE_WEIGHT_COPIES * weights, model, batch, budget_covers="tensors")
+    with torch.device("meta"):
+        meta = GPTLitModule(GPT(CONFIG))
+    assert not _whole_under(10 * peak, meta, batch)
 
 
 def test_a_budget_below_what_setup_itself_needs_is_refused_naming_one_that_works() -> None:

@@ -187,7 +187,7 @@ class OSDPFabricStrategy(ConfigOptions, SetupView, ModelParallelStrategy):
         # draw what it draws under DDP, so every rank leaves with the random states it came with.
         with preserved_rng():
             with as_lightning_step(module, step.optimizer, self.loss_fn, self.example_batch is not None):
-                if core.decide_whole_profile(module):
+                if core.decide_whole_profile(module, step):
                     module.to(self.root_device)
                 plan = core.decide_plan(module, step)
             rank_zero_info(f"osdp plan ({self.world_size} ranks):\n{plan.format_table()}\n{format_comparison(plan)}")

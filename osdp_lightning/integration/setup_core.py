@@ -37,6 +37,7 @@ from osdp_lightning.choices.checkpointing import refusal_message
 from osdp_lightning.cost.budget import (
     default_memory_budget,
     device_memory_bytes,
+    format_budget,
     format_bytes,
     plan_headroom,
 )
@@ -48,6 +49,7 @@ from osdp_lightning.plan.pipeline import (
     check_setup_fits,
     profile_model,
     whole_profile_fits,
+    whole_profile_peak_bytes,
 )
 from osdp_lightning.plan.plan import Plan
 from osdp_lightning.plan.planner import Planner, PlanOptions
@@ -148,23 +150,49 @@ class OSDPSetup:
         self._untracked_bytes = 0
         self.compile_s = 0.0
         """Seconds this rank spent compiling units while profiling (``compile="units"``)."""
+        self._batch: tuple[Any] | None = None
 
     # -- 1. whole or from shapes --------------------------------------------------------------
-    def decide_whole_profile(self, module: nn.Module) -> bool:
+    def decide_whole_profile(self, module: nn.Module, step: StepInputs | None = None) -> bool:
         """Whether the whole-model profile fits the budget, rank 0's answer on every rank (a
         collective). A model built on the meta device, or too large to profile whole, is planned from
-        shapes and never placed whole on the device (:mod:`osdp_lightning.plan.pipeline`): only its shards are."""
-        self.profile_whole = broadcast_object(self._can_profile_whole(module))
+        shapes and never placed whole on the device (:mod:`osdp_lightning.plan.pipeline`): only its
+        shards are. Under a real limit rank 0 also runs ``step``'s batch through a fake step."""
+        self.profile_whole = bool(self._on_rank_zero(lambda: self._can_profile_whole(module, step)))
         return self.profile_whole
 
-    def _can_profile_whole(self, module: nn.Module) -> bool:
+    def _can_profile_whole(self, module: nn.Module, step: StepInputs | None) -> bool:
         if has_meta_tensors(module):
             return False
         budget, ranks = self.config.budget, self.ranks
         device_bytes = device_memory_bytes(ranks.device, ranks.ranks_per_node)
         budget_bytes = (budget_floor_bytes(module, budget, device_bytes, ranks.world_size)
                         if budget is not None else default_memory_budget(ranks.device, ranks.ranks_per_node))
-        return whole_profile_fits(module, budget_bytes)
+        if not whole_profile_fits(module, budget_bytes):
+            return False
+        if step is None or self.config.plan is not None or not self.budget_is_real_limit:
+            return True
+        peak = whole_profile_peak_bytes(module, self._step_batch(step), step.precision)
+        if peak is None or peak <= budget_bytes:
+            return True
+        rank_zero_info(f"osdp: profiling the whole model would hold about {format_bytes(peak)} at once (model, a "
+                       f"saved copy, its step twice), more than the budget of {format_bytes(budget_bytes)}: "
+                       "it is profiled from shapes")
+        return False
+
+    @property
+    def budget_is_real_limit(self) -> bool:
+        """Whether the budget bounds the process (bytes or a share of the device, ``budget_covers=
+        "process"``, no headroom given) rather than the priced tensors of a baseline's share."""
+        config = self.config
+        return (config.budget_covers == "process" and config.headroom is None
+                and (config.budget is None or not config.budget.needs_profile))
+
+    def _step_batch(self, step: StepInputs) -> Any:
+        """``step.batch()``, taken once (rank 0) for both the choice above and the profile."""
+        if self._batch is None:
+            self._batch = (step.batch(),)
+        return self._batch[0]
 
     # -- 2, 3. calibrate, then profile and solve on rank 0 --------------------------------------
     def decide_plan(self, module: nn.Module, step: StepInputs) -> Plan:
@@ -257,7 +285,8 @@ class OSDPSetup:
 
     def _profile_and_solve(self, module: nn.Module, step: StepInputs) -> tuple[ModelProfile, Plan]:
         config, device = self.config, self.ranks.device
-        batch = step.batch()
+        batch = self._step_batch(step)
+        self._batch = None  # NOTE: the profile holds it as long as it needs it
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         options = config.profile_options(step.precision,
@@ -337,7 +366,7 @@ class OSDPSetup:
         # NOTE: a share of a baseline's predicted peak ("70%ddp") bounds the priced tensors; a budget in
         # bytes or a share of the device is a real limit, which the process's untracked growth counts in.
         process = config.budget_covers == "process" and config.headroom is None
-        real_limit = process and (config.budget is None or not config.budget.needs_profile)
+        real_limit = self.budget_is_real_limit
         untracked = self._untracked_bytes if process else 0  # NOTE: a budget named in bytes counts it
         return dataclasses.replace(spec, step_terms=self.step_terms, headroom_reason=headroom.reason,
                                    untracked_bytes=untracked, untracked_counted=real_limit,

@@ -180,14 +180,15 @@ class OSDPStrategy(ConfigOptions, SetupView, ModelParallelStrategy):
             self.model = self.precision_plugin.convert_module(self.model)
             self._core = OSDPSetup(self.config, Ranks(self.root_device, self.world_size, self.num_processes,
                                                       self.num_nodes, self.global_rank))
-            if self._core.decide_whole_profile(module):
-                self.model_to_device()
-            # NOTE: planning and applying draw random numbers on some or all ranks (calibration seeds
-            # the generator and fills tensors, profiling runs the user's step with its dropout,
-            # SplitLinear initialises its slices); the first training step must draw what it draws
-            # under DDP, so every rank leaves with the random states it came with.
+            step = self._step_inputs(trainer, module)
+            # NOTE: planning and applying draw random numbers on some or all ranks (taking the batch,
+            # calibration seeds the generator and fills tensors, profiling runs the user's step with
+            # its dropout, SplitLinear initialises its slices); the first training step must draw what
+            # it draws under DDP, so every rank leaves with the random states it came with.
             with preserved_rng():
-                self._plan_and_apply(trainer, module)
+                if self._core.decide_whole_profile(module, step):
+                    self.model_to_device()
+                self._plan_and_apply(trainer, module, step)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -198,36 +199,34 @@ class OSDPStrategy(ConfigOptions, SetupView, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 
-    def _plan_and_apply(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        """Calibrate, profile and solve (or take the given plan), then shard ``module`` by the plan."""
+    def _plan_and_apply(self, trainer: pl.Trainer, module: pl.LightningModule, step: StepInputs) -> None:
+        """Calibrate, profile and solve (or take the given plan), then shard ``module`` by the plan; sets
+        the module's batch size the plan chose (``micro_batch_size="auto"``)."""
         assert self._core is not None
-        plan = self._decide_plan(trainer, module)
+        plan = self._core.decide_plan(module, step)
+        if self.config.plan is None and plan.micro_batch_size != current_batch_size(
+                trainer, module, plan.micro_batch_size):
+            set_batch_size(trainer, module, plan.micro_batch_size)
+            rank_zero_info(f"osdp: micro-batch size set to {plan.micro_batch_size} (micro_batch_size='auto')")
         rank_zero_info(f"osdp plan ({self.world_size} ranks):\n{plan.format_table()}\n{format_comparison(plan)}")
         log_plan(trainer, plan)
         self._root = RootWrapper(module)
         self._core.apply(module, self._root)
         self.model = self._root
 
-    def _decide_plan(self, trainer: pl.Trainer, module: pl.LightningModule) -> Plan:
-        """The core's plan, with the Trainer's batch and optimizer; sets the module's batch size
-        for ``micro_batch_size=N`` before profiling and for ``"auto"`` after solving."""
-        assert self._core is not None
+    def _step_inputs(self, trainer: pl.Trainer, module: pl.LightningModule) -> StepInputs:
+        """What planning takes from the Trainer: its batch and optimizer; sets the module's batch size
+        for ``micro_batch_size=N`` first (the batch is taken at that size)."""
         config = self.config
         if config.plan is not None:
-            return self._core.decide_plan(module, StepInputs(batch=lambda: None, optimizer=None,
-                                                             precision=str(trainer.precision)))
+            return StepInputs(batch=lambda: None, optimizer=None, precision=str(trainer.precision))
         if config.micro_batch_size not in (None, "auto"):
             set_batch_size(trainer, module, int(config.micro_batch_size))
-        step = StepInputs(
+        return StepInputs(
             batch=lambda: first_training_batch(trainer, module, self), optimizer=configured_optimizer(module),
             precision=str(trainer.precision), step_context=self.precision_plugin.train_step_context,
             accumulation_steps=check_accumulation(trainer.accumulate_grad_batches),
             micro_batch_size="auto" if config.micro_batch_size == "auto" else None)
-        plan = self._core.decide_plan(module, step)
-        if plan.micro_batch_size != current_batch_size(trainer, module, plan.micro_batch_size):
-            set_batch_size(trainer, module, plan.micro_batch_size)
-            rank_zero_info(f"osdp: micro-batch size set to {plan.micro_batch_size} (micro_batch_size='auto')")
-        return plan
 
     # -- checkpoints: keys of the unwrapped LightningModule (osdp_lightning/state/checkpoint.py) ---------
     @override

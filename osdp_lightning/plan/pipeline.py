@@ -10,7 +10,9 @@ Two ways to profile a model (both give a :class:`~osdp_lightning.profiling.recor
   (:func:`~osdp_lightning.plan.unitbench.profile_from_shapes`); the model is never whole on a device.
 
 A model built on the meta device is always profiled from shapes; an eagerly built one is
-profiled whole when those copies fit the memory budget, from shapes otherwise.
+profiled whole when those copies fit the memory budget, from shapes otherwise. Under a budget that is
+a real limit the whole profile must fit it as a fake step measures it
+(:func:`whole_profile_peak_bytes`): its activations can outweigh the copies.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from osdp_lightning.cost.cluster import ClusterSpec
 from osdp_lightning.cost.cost import CostContext
 from osdp_lightning.plan.measure import profile_lightning_module
 from osdp_lightning.plan.unitbench import profile_from_shapes
-from osdp_lightning.profiling.fakestep import MIXED_PRECISION_DTYPES, FakeStepError
+from osdp_lightning.profiling.fakestep import MIXED_PRECISION_DTYPES, FakeStepError, step_peak_bytes
 from osdp_lightning.profiling.optim_state import configured_optimizer, optimizer_state_bytes_per_param
 from osdp_lightning.profiling.precision import sharded_precision, with_precision
 from osdp_lightning.profiling.records import ModelProfile, UnitProfile
@@ -36,6 +38,12 @@ from osdp_lightning.profiling.units import DEFAULT_MIN_UNIT_PARAMS, ROOT, select
 
 WHOLE_PROFILE_WEIGHT_COPIES = 3
 """Copies of the weights the whole-model profile holds at once (model, saved state, gradients)."""
+
+WHOLE_PROFILE_STEP_COPIES = 2
+"""How many times :func:`whole_profile_peak_bytes` counts the step's own bytes (gradients,
+activations): once as the step holds them, once again for what a process's first real step
+allocates beside them and frees (measured on CPU: 13 MiB beside a GPT's 29 MiB and a Phi's 34 MiB
+in a plain first step; 24 MiB beside the Phi's in a first whole profile)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +100,18 @@ def budget_floor_bytes(module: nn.Module, budget: MemoryBudget, device_bytes: in
 def whole_profile_fits(module: nn.Module, budget_bytes: int) -> bool:
     """Whether profiling the whole model on one device stays within ``budget_bytes``."""
     return WHOLE_PROFILE_WEIGHT_COPIES * weight_bytes(module) <= budget_bytes
+
+
+def whole_profile_peak_bytes(module: nn.Module, batch: object, precision: str = "32-true") -> int | None:
+    """The most the whole profile of ``module`` training on ``batch`` holds at once: the model, a
+    saved copy of its state, and the step's own bytes from a fake step, counted
+    :data:`WHOLE_PROFILE_STEP_COPIES` times. ``None`` where a fake step cannot run the model (the
+    whole profile is then the only one there is)."""
+    try:
+        step_bytes = step_peak_bytes(module, batch, precision if precision in MIXED_PRECISION_DTYPES else "32-true")
+    except FakeStepError:
+        return None
+    return 2 * weight_bytes(module) + WHOLE_PROFILE_STEP_COPIES * step_bytes
 
 
 def check_setup_fits(module: nn.Module, options: ProfileOptions, budget_bytes: int) -> None:

@@ -378,6 +378,19 @@ def peak_new_bytes(run: Callable[[], object], existing: Sequence[torch.Tensor]) 
     return tracker.peak_total
 
 
+def step_peak_bytes(model: ModelSource, batch: object, precision: str = "32-true") -> int:
+    """The most bytes one training step of ``model`` on ``batch`` creates beside its parameters and
+    buffers (gradients, activations, temporaries) at once, from a fake step on a fake copy
+    (``model`` itself is not touched); raises :class:`FakeStepError` where the step needs values."""
+    mode = fake_mode()
+    with fake_step_errors():
+        module = build_fake_module(model, mode)
+        inputs = fake_batch(batch, mode)
+        with mode, preserved_rng(), logging_disabled(module):
+            run_loss = step_runner(module, inputs, precision)
+            return peak_new_bytes(lambda: run_loss().backward(), [*module.parameters(), *module.buffers()])
+
+
 def activation_peak(module: nn.Module, run_loss: Callable[[], torch.Tensor], specs: Sequence[UnitSpec] = ()
                     ) -> tuple[int, dict[str, int]]:
     """Bytes of one fake forward+backward that are neither parameters nor gradients at the step's
