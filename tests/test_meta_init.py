@@ -36,7 +36,12 @@ from osdp_lightning.plan.pipeline import (  # noqa: E402
     whole_profile_peak_bytes,
 )
 from osdp_lightning.plan.unitbench import UnitMeasureError, profile_from_shapes  # noqa: E402
-from osdp_lightning.profiling.fakestep import build_meta_module, peak_new_bytes, step_peak_bytes  # noqa: E402
+from osdp_lightning.profiling.fakestep import (  # noqa: E402
+    FakeStepError,
+    build_meta_module,
+    peak_new_bytes,
+    step_peak_bytes,
+)
 from osdp_lightning.profiling.materialize import UninitializedModuleError, has_meta_tensors, materialize  # noqa: E402
 from osdp_lightning.profiling.profile import logging_disabled  # noqa: E402
 
@@ -282,13 +287,28 @@ def test_under_a_real_limit_an_eager_model_is_profiled_whole_only_where_its_step
     model, batch = GPTLitModule(GPT(CONFIG)), _gpt_batch(size=16)
     weights = sum(p.numel() * 4 for p in model.parameters())
     peak = whole_profile_peak_bytes(model, batch)
-    assert peak is not None and peak > WHOLE_PROFILE_WEIGHT_COPIES * weights  # this batch's activations outweigh a copy
+    assert peak > WHOLE_PROFILE_WEIGHT_COPIES * weights  # this batch's activations outweigh a copy of the weights
     assert _whole_under(peak, model, batch) and not _whole_under(peak - 1, model, batch)
     # a budget that bounds the priced tensors, not the process, keeps the copies' rule
     assert _whole_under(WHOLE_PROFILE_WEIGHT_COPIES * weights, model, batch, budget_covers="tensors")
     with torch.device("meta"):
         meta = GPTLitModule(GPT(CONFIG))
     assert not _whole_under(10 * peak, meta, batch)
+
+
+class _ReadsItsLoss(GPTLitModule):
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * 2 if loss.item() > 100 else loss  # a value no fake step has
+
+
+def test_an_eager_model_no_fake_step_can_run_is_profiled_whole_under_a_real_limit() -> None:
+    model, batch = _ReadsItsLoss(GPT(CONFIG)), _gpt_batch(size=16)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    with pytest.raises(FakeStepError, match="fake tensors"):
+        whole_profile_peak_bytes(model, batch)
+    assert _whole_under(WHOLE_PROFILE_WEIGHT_COPIES * weights, model, batch)
+    assert not _whole_under(WHOLE_PROFILE_WEIGHT_COPIES * weights - 1, model, batch)
 
 
 def test_a_budget_below_what_setup_itself_needs_is_refused_naming_one_that_works() -> None:

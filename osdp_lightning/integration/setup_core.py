@@ -37,7 +37,6 @@ from osdp_lightning.choices.checkpointing import refusal_message
 from osdp_lightning.cost.budget import (
     default_memory_budget,
     device_memory_bytes,
-    format_budget,
     format_bytes,
     plan_headroom,
 )
@@ -53,7 +52,7 @@ from osdp_lightning.plan.pipeline import (
 )
 from osdp_lightning.plan.plan import Plan
 from osdp_lightning.plan.planner import Planner, PlanOptions
-from osdp_lightning.profiling.fakestep import build_meta_module
+from osdp_lightning.profiling.fakestep import FakeStepError, build_meta_module
 from osdp_lightning.profiling.materialize import has_meta_tensors, materialize
 from osdp_lightning.profiling.precision import check_plan_precision
 from osdp_lightning.profiling.records import ModelProfile
@@ -71,6 +70,7 @@ from osdp_lightning.runtime.process_memory import (
     file_bytes,
     fixed_cost_bytes,
     module_tensor_bytes,
+    release_free_memory,
     untracked_growth_bytes,
 )
 from osdp_lightning.state.pretrained import load_pretrained
@@ -172,8 +172,12 @@ class OSDPSetup:
             return False
         if step is None or self.config.plan is not None or not self.budget_is_real_limit:
             return True
-        peak = whole_profile_peak_bytes(module, self._step_batch(step), step.precision)
-        if peak is None or peak <= budget_bytes:
+        try:
+            peak = whole_profile_peak_bytes(module, self._step_batch(step), step.precision)
+        except FakeStepError as err:
+            rank_zero_info(f"osdp: the model is profiled whole; whether that fits the budget is not known: {err}")
+            return True
+        if peak <= budget_bytes:
             return True
         rank_zero_info(f"osdp: profiling the whole model would hold about {format_bytes(peak)} at once (model, a "
                        f"saved copy, its step twice), more than the budget of {format_bytes(budget_bytes)}: "
@@ -295,9 +299,11 @@ class OSDPSetup:
         if not self.profile_whole and not (budget is not None and budget.needs_profile):
             check_setup_fits(module, options, self.cluster_spec().memory_budget_bytes)
         optimizers = [step.optimizer] if step.optimizer is not None else []
+        release_free_memory()
         start = anonymous_bytes(), module_tensor_bytes(module, optimizers)
 
         def untracked() -> int:  # NOTE: what rank 0's work leaves in its own memory stays through training
+            release_free_memory()
             return untracked_growth_bytes(start[0], anonymous_bytes(), start[1], module_tensor_bytes(module, optimizers))
 
         profile = profile_model(module, batch, device, options, whole=self.profile_whole,

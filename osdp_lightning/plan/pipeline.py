@@ -102,15 +102,17 @@ def whole_profile_fits(module: nn.Module, budget_bytes: int) -> bool:
     return WHOLE_PROFILE_WEIGHT_COPIES * weight_bytes(module) <= budget_bytes
 
 
-def whole_profile_peak_bytes(module: nn.Module, batch: object, precision: str = "32-true") -> int | None:
+def whole_profile_peak_bytes(module: nn.Module, batch: object, precision: str = "32-true") -> int:
     """The most the whole profile of ``module`` training on ``batch`` holds at once: the model, a
     saved copy of its state, and the step's own bytes from a fake step, counted
-    :data:`WHOLE_PROFILE_STEP_COPIES` times. ``None`` where a fake step cannot run the model (the
-    whole profile is then the only one there is)."""
+    :data:`WHOLE_PROFILE_STEP_COPIES` times. Raises :class:`FakeStepError` where a fake step cannot
+    run the model (the whole profile is then the only one there is)."""
     try:
         step_bytes = step_peak_bytes(module, batch, precision if precision in MIXED_PRECISION_DTYPES else "32-true")
     except FakeStepError:
-        return None
+        raise
+    except Exception as err:  # NOTE: whatever stops the fake copy's step; the real step then shows it for real
+        raise FakeStepError(f"the training step failed on fake tensors: {type(err).__name__}: {err}") from err
     return 2 * weight_bytes(module) + WHOLE_PROFILE_STEP_COPIES * step_bytes
 
 
