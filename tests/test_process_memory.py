@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,6 @@ from osdp_lightning.runtime.process_memory import (
     fixed_cost_bytes,
     module_tensor_bytes,
     prefer_expandable_segments,
-    release_free_memory,
     resident_bytes,
     tensor_bytes,
     untracked_growth_bytes,
@@ -75,23 +72,6 @@ def test_untracked_growth_is_what_grew_beyond_the_tensors_left_alive() -> None:
     assert untracked_growth_bytes(100 * MIB, 150 * MIB, 10 * MIB, 40 * MIB) == 20 * MIB
     assert untracked_growth_bytes(100 * MIB, 90 * MIB, 10 * MIB, 10 * MIB) == 0  # never negative
     assert untracked_growth_bytes(0, 150 * MIB) == 0  # not measured: no /proc
-
-
-def test_releasing_free_memory_hands_back_what_only_a_cycle_held() -> None:
-    held_bytes = 64 * 2**20  # NOTE: above glibc's largest mmap threshold: freed, it leaves the process
-    gc.disable()  # NOTE: no automatic collection between the measurements
-    try:
-        cycle: dict[str, object] = {"tensor": torch.ones(held_bytes // 4)}
-        cycle["self"] = cycle
-        del cycle
-        held = anonymous_bytes()
-        release_free_memory()
-        released = held - anonymous_bytes()
-    finally:
-        gc.enable()
-    assert released >= held_bytes * 0.9
-    if sys.platform == "linux" and os.confstr("CS_GNU_LIBC_VERSION"):
-        assert process_memory._malloc_trim() is not None  # glibc: the heap's free pages are handed back too
 
 
 def test_plans_keep_the_untracked_bytes_free_beside_the_headroom() -> None:

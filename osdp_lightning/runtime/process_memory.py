@@ -11,8 +11,7 @@ A budget bounds what the process uses on its device, not only the tensors of one
 
 Beside the tensors the memory model tracks, the process's own memory grows by what no tracker
 sees (malloc's and autograd's bookkeeping, caches); osdp measures that growth where it does real
-work at setup (:func:`untracked_growth_bytes`), once it has handed back what that work freed
-(:func:`release_free_memory`), and plans keep it free. Code pages loaded on first
+work at setup (:func:`untracked_growth_bytes`) and plans keep it free. Code pages loaded on first
 use are file pages shared with every process that maps the same library: a memory limit (a cgroup,
 as containers and SLURM hold a job) reclaims them before it ends a process, and the growth plans
 keep free does not count them. The resident high-water does: :class:`CodePagesAtPeak` bounds how
@@ -22,12 +21,9 @@ file pages) above its fixed cost as well.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import gc
 import os
 import resource
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -106,28 +102,6 @@ def fixed_cost_bytes(module: torch.nn.Module) -> int:
     (0 where /proc is missing)."""
     resident = resident_bytes()
     return max(resident - module_tensor_bytes(module), 0) if resident else 0
-
-
-def release_free_memory() -> None:
-    """Free what only reference cycles still hold, then hand the heap's free pages back to the
-    system (glibc's ``malloc_trim``; elsewhere only the collection).
-
-    NOTE: on rank 0 a profile from shapes leaves about 8 MiB of tensors in cycles (fake and
-    materialized unit copies), and the first solve about 8 MiB of freed heap the allocator keeps
-    (PuLP's objects): GPT 4 x 384, 2 gloo ranks. Both stay resident until this runs.
-    """
-    gc.collect()
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim  # the C library this process runs on
-    except (OSError, AttributeError):  # not glibc
-        return None
 
 
 def untracked_growth_bytes(anonymous_before: int, anonymous_after: int, tensors_before: int = 0,
