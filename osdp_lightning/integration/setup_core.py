@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -299,13 +298,9 @@ class OSDPSetup:
         if not self.profile_whole and not (budget is not None and budget.needs_profile):
             check_setup_fits(module, options, self.cluster_spec().memory_budget_bytes)
         optimizers = [step.optimizer] if step.optimizer is not None else []
-        gc.collect()
         start = anonymous_bytes(), module_tensor_bytes(module, optimizers)
 
         def untracked() -> int:  # NOTE: what rank 0's work leaves in its own memory stays through training
-            # NOTE: but not what only reference cycles hold (a profile from shapes leaves its unit copies
-            # in them); the heap's free pages stay counted: training allocates them again.
-            gc.collect()
             return untracked_growth_bytes(start[0], anonymous_bytes(), start[1], module_tensor_bytes(module, optimizers))
 
         profile = profile_model(module, batch, device, options, whole=self.profile_whole,
