@@ -383,9 +383,10 @@ def step_peak_bytes(model: ModelSource, batch: object, precision: str = "32-true
     """The most bytes one training step of ``model`` on ``batch`` creates beside its parameters and
     buffers (gradients, activations, temporaries) at once, from a fake step on a fake copy
     (``model`` itself is not touched); raises :class:`FakeStepError` where the step needs values."""
-    peak = _fake_step_peak_bytes(model, batch, precision)
-    release_fake_machinery()  # NOTE: once the fake copy is out of scope
-    return peak
+    try:
+        return _fake_step_peak_bytes(model, batch, precision)
+    finally:
+        release_fake_machinery()  # NOTE: once the fake copy is out of scope
 
 
 def _fake_step_peak_bytes(model: ModelSource, batch: object, precision: str) -> int:
