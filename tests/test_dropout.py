@@ -74,14 +74,14 @@ class _StatesAroundStrategySetup(L.Callback):
 
 def test_setup_leaves_every_random_state_as_it_found_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Whatever the planning draws (a cold calibration reseeds torch), the step after setup sees the user's stream."""
-    decide = OSDPStrategy._plan_and_apply
+    plan_and_apply = OSDPStrategy._plan_and_apply
 
-    def drawing_decide_plan(self: OSDPStrategy, *args: Any) -> Any:
+    def drawing_plan_and_apply(self: OSDPStrategy, *args: Any) -> Any:
         torch.manual_seed(0)
         torch.rand(3), random.random(), np.random.rand(2)
-        return decide(self, *args)
+        return plan_and_apply(self, *args)
 
-    monkeypatch.setattr(OSDPStrategy, "_plan_and_apply", drawing_decide_plan)
+    monkeypatch.setattr(OSDPStrategy, "_plan_and_apply", drawing_plan_and_apply)
     L.seed_everything(5)
     watch = _StatesAroundStrategySetup()
     trainer = L.Trainer(strategy=OSDPStrategy(), accelerator="cpu", devices=1, max_steps=1, logger=False,

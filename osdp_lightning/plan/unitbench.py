@@ -227,7 +227,8 @@ def measure_unit(template: nn.Module, spec: UnitSpec, call: tuple[tuple, dict], 
         raise UnitMeasureError(
             f"osdp cannot measure unit {spec.name!r} ({type(unit).__name__}) apart from the model, which planning a "
             f"model that is not placed whole on one device needs: {type(err).__name__}: {err}. Build the model "
-            "eagerly (not on the meta device) with a memory budget of at least about 3x its weights, or choose "
+            "eagerly (not on the meta device) with a memory budget that holds its whole profile (about 3x its "
+            "weights; under a budget in bytes, its step's gradients and activations twice as well), or choose "
             "units whose forward takes and returns tensors (unit_module_types=... / unit_name_patterns=...)."
         ) from err
     found = [u for u in units if u.name == BENCH_NAME]
