@@ -187,9 +187,14 @@ class OSDPSetup:
     def budget_is_real_limit(self) -> bool:
         """Whether the budget bounds the process (bytes or a share of the device, ``budget_covers=
         "process"``, no headroom given) rather than the priced tensors of a baseline's share."""
-        config = self.config
-        return (config.budget_covers == "process" and config.headroom is None
-                and (config.budget is None or not config.budget.needs_profile))
+        budget = self.config.budget
+        return self._budget_covers_process and (budget is None or not budget.needs_profile)
+
+    @property
+    def _budget_covers_process(self) -> bool:
+        """Whether a budget in bytes or a share of the device bounds the process (``budget_covers=
+        "process"``, no headroom given): its untracked growth is measured and named."""
+        return self.config.budget_covers == "process" and self.config.headroom is None
 
     def _step_batch(self, step: StepInputs) -> Any:
         """``step.batch()``, taken once (rank 0) for both the choice above and the profile."""
@@ -368,9 +373,8 @@ class OSDPSetup:
             headroom_bytes=headroom.bytes, headroom_fraction=headroom.share, headroom_by_kind=headroom.by_kind)
         # NOTE: a share of a baseline's predicted peak ("70%ddp") bounds the priced tensors; a budget in
         # bytes or a share of the device is a real limit, which the process's untracked growth counts in.
-        process = config.budget_covers == "process" and config.headroom is None
         real_limit = self.budget_is_real_limit
-        untracked = self._untracked_bytes if process else 0  # NOTE: a budget named in bytes counts it
+        untracked = self._untracked_bytes if self._budget_covers_process else 0  # NOTE: a budget named in bytes counts it
         return dataclasses.replace(spec, step_terms=self.step_terms, headroom_reason=headroom.reason,
                                    untracked_bytes=untracked, untracked_counted=real_limit,
                                    bucket_rebuild_counted=real_limit, untracked_reason=(

@@ -108,12 +108,19 @@ def whole_profile_peak_bytes(module: nn.Module, batch: object, precision: str = 
     :data:`WHOLE_PROFILE_STEP_COPIES` times. Raises :class:`FakeStepError` where a fake step cannot
     run the model (the whole profile is then the only one there is)."""
     try:
-        step_bytes = step_peak_bytes(module, batch, precision if precision in MIXED_PRECISION_DTYPES else "32-true")
+        step_bytes = step_peak_bytes(module, batch, _fake_step_precision(precision))
     except FakeStepError:
         raise
     except Exception as err:  # NOTE: whatever stops the fake copy's step; the real step then shows it for real
         raise FakeStepError(f"the training step failed on fake tensors: {type(err).__name__}: {err}") from err
     return 2 * weight_bytes(module) + WHOLE_PROFILE_STEP_COPIES * step_bytes
+
+
+def _fake_step_precision(precision: str) -> str:
+    """The precision a fake step of a run at Lightning's ``precision`` takes: the mixed ones (for
+    autocast), else ``"32-true"``: under ``"bf16-true"`` and the like the parameters already have
+    their dtype."""
+    return precision if precision in MIXED_PRECISION_DTYPES else "32-true"
 
 
 def check_setup_fits(module: nn.Module, options: ProfileOptions, budget_bytes: int) -> None:
@@ -143,12 +150,9 @@ def profile_model(module: nn.Module, batch: object, device: torch.device, option
     units = dict(unit_module_types=options.unit_module_types, unit_name_patterns=options.unit_name_patterns,
                  min_unit_params=options.min_unit_params)
     if not whole:
-        # NOTE: under "bf16-true" and the like the parameters already have their dtype; the fake step
-        # needs a precision only for autocast.
-        precision = options.precision if options.precision in MIXED_PRECISION_DTYPES else "32-true"
         try:
             return with_precision(profile_from_shapes(
-                module, batch, device, precision=precision, step_context=step_context, choices=options.choices,
+                module, batch, device, precision=_fake_step_precision(options.precision), step_context=step_context, choices=options.choices,
                 repeats=options.repeats, **units), sharded)
         except FakeStepError as err:
             raise FakeStepError(_cannot_plan_from_shapes(module, err)) from err
