@@ -33,6 +33,7 @@ from osdp_lightning.calibrate import (
 from osdp_lightning.calibrate import fit as fitting
 from osdp_lightning.calibrate.bench import rotated
 from osdp_lightning.choices.split import SPLIT_REPLICATED
+from osdp_lightning.cost.budget import format_bytes
 from osdp_lightning.cost.step_terms import (
     GROUP_TERMS,
     PLAIN,
@@ -164,16 +165,22 @@ def test_cluster_configs_give_complete_terms() -> None:
 
 @pytest.mark.multiprocess
 def test_calibration_on_two_ranks_is_positive_identical_and_cached_unless_busy(tmp_path: Path) -> None:
-    """Four calls on 2 real ranks, the cache keeping 2 calibrations: measured and cached; measured
-    again and taken with the cached one (their median); read back (the median of the two); and,
-    with the busy threshold above any share of a core, measured and not cached."""
+    """Six calls on 2 real ranks, the cache keeping 2 calibrations: measured and cached; measured
+    again and taken with the cached one (their median); read back (the median of the two); with the
+    busy threshold above any share of a core, measured and not cached; within the least room a
+    calibration can take, measured one pair of benches at a time and held within it; within a byte
+    less, refused."""
     out = tmp_path / "calib"
     done = run_ranks([script("calibrate_check.py"), "--out", str(out)], tmp_path / "log", 240, cwd=tmp_path,
-                     env={CACHE_ENV: str(tmp_path / "cache"), DRAWS_ENV: ""})  # the script sets 2
+                     env={CACHE_ENV: str(tmp_path / "cache"), DRAWS_ENV: "",  # the script sets 2
+                          # NOTE: freed tensors go back to the system, so that the high-water's growth is the calibration's
+                          "MALLOC_MMAP_THRESHOLD_": "65536"})
     assert done.returncode == 0, done.log[-9000:]
     ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
     first, second, third, fourth = (ranks[0][k] for k in ("first", "second", "third", "fourth"))
-    assert ranks[1] == ranks[0], "ranks calibrated different terms"
+    own = {"fifth_grown"}  # each rank's own high-water
+    assert {k: v for k, v in ranks[1].items() if k not in own} == {k: v for k, v in ranks[0].items() if k not in own}, \
+        "ranks calibrated different terms"
     shares = [call["extra"]["calibrate_cpu_share"] for call in (first, second)]
     assert all(0 < share <= 1.05 for share in shares), shares
     assert first["source"] == "measured at setup"
@@ -207,7 +214,24 @@ def test_calibration_on_two_ranks_is_positive_identical_and_cached_unless_busy(t
     for bench in benches:  # forward and backward timed apart: the model's overlap reads both
         assert 0 < first["extra"][f"{bench}_forward_s"] < first["extra"][f"{bench}_step_s"], bench
     assert 0 < first["calibrate_s"] and math.isfinite(first["calibrate_s"])
-    print(f"calibrate_s {first['calibrate_s']:.2f}")
+    # within one pair's room: one pair of benches at a time, every bench timed, the process held within it
+    fifth = ranks[0]["fifth"]
+    assert fifth["extra"]["calibrate_groups"] == 4 * 3 and StepTerms.from_dict(fifth).is_valid()
+    assert {k for k in fifth["extra"] if k.endswith("_step_s")} == {f"{b}_step_s" for b in benches}
+    for rank in ranks:
+        assert rank["fifth_grown"] <= rank["least_room"], (rank["fifth_grown"], rank["least_room"])
+    assert "in 12 groups, each freed before the next" in done.log
+    # within the narrowest layout's: stacks of 4, 16 and 32, valid terms, used but never cached
+    narrowest = ranks[0]["narrowest"]
+    assert StepTerms.from_dict(narrowest).is_valid() and narrowest["extra"]["calibrate_widest"] == 32
+    assert ranks[0]["cached_after_narrowest"] == []
+    assert "stacks up to 32 wide, each freed" in done.log and "left room only for stacks up to 32 wide" in done.log
+    for rank in ranks:  # within 1 KiB: refused on every rank, naming what it needs
+        assert re.search(r"needs at least [0-9.]+ KiB \([0-9]+ bytes\) beside what the model holds, and the memory "
+                         r"budget leaves 1.00 KiB: give a memory budget at least [0-9.]+ KiB larger",
+                         rank["sixth_refused"]), rank["sixth_refused"]
+    print(f"calibrate_s {first['calibrate_s']:.2f}; within {ranks[0]['least_room']} B: {fifth['calibrate_s']:.2f} s, "
+          f"high-water +{ranks[0]['fifth_grown']} B")
 
 
 def test_terms_measured_on_a_busy_cpu_are_not_cached() -> None:
@@ -293,7 +317,7 @@ def test_bench_units_are_real_blocks_with_compute_between_their_collectives(kind
     (family,) = [f for f in REGISTRY.families.values() if f.calibration is not None and f.kind == kind]
     calibration, width = family.calibration, STACK_WIDTHS[1]
     stack, root = build_stack(width, torch.device("cpu"))
-    timings = stack_timings(calibration, {}, {})
+    timings = stack_timings(calibration, dict.fromkeys(STACK_WIDTHS, 0.0), {})
     names = stack_unit_names(calibration)
     assert len(names) >= 2
     for name in names:
@@ -382,3 +406,78 @@ def test_one_process_prices_its_optimizer_step_and_its_loop() -> None:
     assert plan.predicted_step_s == pytest.approx(plan.predicted_compute_s + plan.predicted_optimizer_s
                                                   + plan.predicted_overhead_s + plan.predicted_exposed_comm_s
                                                   + plan.predicted_loop_s)
+
+
+def test_calibration_takes_the_fastest_layout_of_its_benches_that_fits_its_room() -> None:
+    """Every layout times every bench, each beside the one it is timed against; a room takes the
+    fastest that fits it (all at once, a width at a time, a pair at a time, then narrower stacks and
+    smaller collectives), and a room below the narrowest is refused naming what it needs."""
+    from osdp_lightning.calibrate.bench import COLLECTIVE_BYTES, STACK_WIDTHS, bench_specs
+    from osdp_lightning.calibrate.room import CalibrationRoomError, calibration_layout, candidate_layouts
+
+    specs = bench_specs(optional=True)
+    layouts = candidate_layouts(specs, 8, 2)
+    for layout in layouts:
+        widths = layout.widths
+        assert {key for group in layout.groups for key in group} == {(s.name, w) for s in specs for w in widths}
+        for group in layout.groups:
+            names = {name for name, _ in group}
+            assert all(s.against in names for s in specs if s.name in names and s.calibration and not s.reference)
+        assert len(widths) == len(STACK_WIDTHS) and len(layout.collective_bytes) == len(COLLECTIVE_BYTES)
+    assert [len(layout.groups) for layout in layouts[:3]] == [1, 3, 4 * 3]
+    assert [layout.standard for layout in layouts] == [True] * 3 + [False] * (len(layouts) - 3)
+    assert [layout.widths for layout in layouts[2:7]] == [(64, 256, 512), (32, 128, 256), (16, 64, 128),
+                                                          (8, 32, 64), (4, 16, 32)]
+    assert [max(layout.collective_bytes) for layout in layouts[2:]] == [2**24 >> h for h in range(len(layouts) - 2)]
+    peaks = [layout.peak_bytes for layout in layouts]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks)
+    assert calibration_layout(specs, None, 8, 2) == layouts[0]
+    for index, layout in enumerate(layouts):
+        assert calibration_layout(specs, layout.peak_bytes, 8, 2) == layout
+        if index + 1 < len(layouts):
+            assert calibration_layout(specs, layout.peak_bytes - 1, 8, 2) == layouts[index + 1]
+    least = layouts[-1].peak_bytes
+    with pytest.raises(CalibrationRoomError, match=rf"needs at least {format_bytes(least)} \({least} bytes\).*"
+                                                   rf"leaves {format_bytes(least - 10)}: .* at least 10 B larger"):
+        calibration_layout(specs, least - 10, 8, 2)
+    assert least < 2**19  # the narrowest stacks' pair beside 128 KiB collectives
+    # one process times only the plain stack (no collectives); SGD without momentum keeps no state
+    alone = candidate_layouts(bench_specs(optional=False)[:1], 0, 1)
+    assert alone[0].peak_bytes < layouts[0].peak_bytes and alone[-1].peak_bytes < least
+
+
+def test_under_a_real_limit_calibration_holds_at_most_what_the_budget_leaves_beside_the_model(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Setup's room for calibration is a real limit less the model's bytes on the device (a model on
+    meta holds none); a budget that bounds priced tensors leaves calibration unbounded. One process
+    under a budget of a few MiB above its model calibrates on narrower stacks, says so, and trains."""
+    from osdp_lightning.integration.config import OSDPConfig
+    from osdp_lightning.integration.setup_core import OSDPSetup, Ranks
+
+    model, budget = MLP(width=256), 12 * 2**20
+    weights = sum(p.numel() * 4 for p in model.parameters())
+
+    def room(module: torch.nn.Module, **config: object) -> int | None:
+        return OSDPSetup(OSDPConfig(**config), Ranks(torch.device("cpu"), 1, 1, 1, 0)).calibration_room_bytes(module)
+
+    assert room(model, memory_budget=budget) == budget - weights
+    with torch.device("meta"):
+        assert room(MLP(width=256), memory_budget=budget) == budget
+    for tensors_only in ({"memory_budget": "70%ddp"}, {"memory_budget": budget, "budget_covers": "tensors"},
+                         {"memory_budget": budget, "headroom": "1MiB"}):
+        assert room(model, **tensors_only) is None, tensors_only
+
+    trainer = L.Trainer(strategy=OSDPStrategy(memory_budget=budget), accelerator="cpu", devices=1, max_steps=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with caplog.at_level("INFO"):
+        trainer.fit(model)
+    assert f"osdp: calibrating within {format_bytes(budget - weights)} (the memory budget less the model's bytes): " \
+           "its benches in 3 groups, stacks up to 256 wide" in caplog.text
+    assert trainer.strategy.plan.predicted_optimizer_s > 0
+    # with no room at all one process leaves its optimizer step unpriced: its plan does not depend on it
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        terms = measure_one_process_terms(torch.device("cpu"), torch.optim.AdamW(model.parameters()),
+                                          loop_step_s=0.0, room_bytes=0)
+    assert terms.optimizer[PLAIN] == Affine(0.0, 0.0) and terms.is_valid()
+    assert "osdp: the optimizer step is not timed: calibrating the step terms needs at least" in caplog.text

@@ -52,7 +52,7 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]
     mixed_group_plan(tmp_path / "hf_plan.json", MODELS["hf_llama"])
     return launch_two_nodes(tmp_path, [{"name": "hsdp", "strategy": "osdp", "plan": str(tmp_path / "plan.json")},
                                        {"name": "ddp", "strategy": "ddp"},
-                                       {"name": "solved", "strategy": "osdp", "budget": "3MiB"},
+                                       {"name": "solved", "strategy": "osdp", "budget": "4MiB"},
                                        {"name": "hf_hsdp", "strategy": "osdp", "model": "hf_llama", "meta": True,
                                         "plan": str(tmp_path / "hf_plan.json")},
                                        {"name": "hf_ddp", "strategy": "ddp", "model": "hf_llama"}])
@@ -104,6 +104,6 @@ def test_strategy_solves_a_two_node_run_from_live_timings(two_nodes: dict[str, l
     results = two_nodes["solved"]
     plans = [r["plan"] for r in results]
     assert all(plan == plans[0] for plan in plans)  # one plan, broadcast from rank 0
-    assert plans[0]["world_size"] == 4 and plans[0]["predicted_peak_bytes"] <= 3 * 2**20
+    assert plans[0]["world_size"] == 4 and plans[0]["predicted_peak_bytes"] <= 4 * 2**20
     assert all(r["strategy_measured_nodes"] for r in results)
     assert all(len(r["losses"]) == 5 and all(loss == loss for loss in r["losses"]) for r in results)

@@ -30,9 +30,6 @@ from osdp_lightning.calibrate.bench import (
     STACK_WIDTHS,
     BenchSpec,
     bench_specs,
-    build_bench,
-    release_benches,
-    time_benches,
     time_collective_sizes,
 )
 from osdp_lightning.calibrate.cache import (
@@ -50,9 +47,16 @@ from osdp_lightning.calibrate.cache import (
     write_cache,
 )
 from osdp_lightning.calibrate.fit import fit_terms, plain_optimizer_term
+from osdp_lightning.calibrate.room import (
+    CalibrationLayout,
+    CalibrationRoomError,
+    calibration_layout,
+    time_bench_groups,
+)
+from osdp_lightning.cost.budget import format_bytes
 from osdp_lightning.cost.links import CollectiveTimings, least_time_s, measure_collectives
 from osdp_lightning.cost.step_terms import COLLECTIVES, GROUP_TERMS, PLAIN, Affine, StepTerms
-from osdp_lightning.profiling.optim_state import clone_optimizer
+from osdp_lightning.profiling.optim_state import clone_optimizer, optimizer_state_bytes_per_param
 from osdp_lightning.runtime.meshes import Meshes
 
 QUIET_CPU_SHARE = 0.80
@@ -65,19 +69,33 @@ process on those 2 cores the ranks got 0.52-0.55 of a core and zero3's per-group
 over-priced sharding in every later launch (docs/design.md section 7)."""
 
 
+def _state_bytes_per_param(optimizer: torch.optim.Optimizer | None) -> int:
+    return optimizer_state_bytes_per_param(optimizer, torch.float32) if optimizer is not None else 0
+
+
+def _log_layout(layout: CalibrationLayout, room_bytes: int | None) -> None:
+    if len(layout.groups) > 1:
+        narrower = "" if layout.standard else f", stacks up to {max(layout.widths)} wide"
+        rank_zero_info(f"osdp: calibrating within {format_bytes(room_bytes or 0)} (the memory budget less the "
+                       f"model's bytes): its benches in {len(layout.groups)} groups{narrower}, each freed before the next")
+
+
 def measure_step_terms(device: torch.device, optimizer: torch.optim.Optimizer | None, meshes: Meshes, *,
                        split: bool = True, loop_step_s: float = 0.0, repeats: int = 5,
-                       overlap_efficiency: float = 0.0) -> StepTerms:
+                       overlap_efficiency: float = 0.0, room_bytes: int | None = None) -> StepTerms:
     """Time collectives and tiny plans on every rank; fit the terms from rank 0's timings.
 
     ``split``: also run the benches families mark optional (split's); without them those families'
     terms are fitted from the others' (faster, and the cache keeps the two apart).
-    ``overlap_efficiency``: what plans will assume (0 on CPU), so that the terms price only what it leaves."""
+    ``overlap_efficiency``: what plans will assume (0 on CPU), so that the terms price only what it leaves.
+    ``room_bytes``: what calibration may hold at once (a real limit less the model's bytes;
+    :mod:`~osdp_lightning.calibrate.room`), checked before anything is allocated."""
     start, start_cpu = time.perf_counter(), time.process_time()
-    collective_s = time_collective_sizes(device, COLLECTIVE_REPEATS)
     specs = bench_specs(optional=split)
-    benches = {(s.name, w): build_bench(s, w, device, meshes, optimizer) for w in STACK_WIDTHS for s in specs}
-    time_benches(benches, device, repeats, BENCH_ROUNDS_S)
+    layout = calibration_layout(specs, room_bytes, _state_bytes_per_param(optimizer), dist.get_world_size())
+    _log_layout(layout, room_bytes)
+    collective_s = time_collective_sizes(device, COLLECTIVE_REPEATS, layout.collective_bytes)
+    benches = time_bench_groups(layout, specs, device, meshes, optimizer, repeats, BENCH_ROUNDS_S)
     raw: list[Any] = [(collective_s, {k: (b.step_s, b.optimizer_s, b.forward_s) for k, b in benches.items()})]
     dist.broadcast_object_list(raw, src=0)
     collective_s = raw[0][0]
@@ -96,13 +114,13 @@ def measure_step_terms(device: torch.device, optimizer: torch.optim.Optimizer | 
     dist.all_gather_object(elapsed, elapsed[0])
     extra["calibrate_cpu_s"] = elapsed[0][1]
     extra["calibrate_cpu_share"] = min(cpu_s / max(wall_s, 1e-9) for wall_s, cpu_s in elapsed)
-    release_benches(benches)
+    extra["calibrate_groups"], extra["calibrate_widest"] = len(layout.groups), max(layout.widths)
     return StepTerms(collectives, overhead, optimizer_terms, loop_step_s, source="measured at setup",
                      calibrate_s=elapsed[0][0], extra=extra)
 
 
 def measure_one_process_terms(device: torch.device, optimizer: torch.optim.Optimizer | None, *,
-                              loop_step_s: float, repeats: int = 5) -> StepTerms:
+                              loop_step_s: float, repeats: int = 5, room_bytes: int | None = None) -> StepTerms:
     """The step terms of a run in one process: no collectives and no sharding machinery (nothing is
     sharded), the optimizer step on plain tensors timed on the plain stacks, and the loop.
 
@@ -111,16 +129,28 @@ def measure_one_process_terms(device: torch.device, optimizer: torch.optim.Optim
     start, zero = time.perf_counter(), Affine(0.0, 0.0)
     optimizer_s: dict[tuple[str, int], float] = {}
     if optimizer is not None:
-        benches = {(LOCAL, w): build_bench(BenchSpec(LOCAL), w, device, None, optimizer) for w in STACK_WIDTHS}
-        time_benches(benches, device, repeats, BENCH_ROUNDS_S)
-        optimizer_s = {k: statistics.median(b.optimizer_s) for k, b in benches.items()}
-        release_benches(benches)
+        optimizer_s = _time_plain_optimizer(device, optimizer, repeats, room_bytes)
     plain = plain_optimizer_term(optimizer_s) if optimizer_s else zero
     return StepTerms(collectives={k: zero for k in COLLECTIVES}, overhead={k: zero for k in GROUP_TERMS},
                      optimizer={PLAIN: plain, **{k: plain for k in GROUP_TERMS}}, loop_step_s=loop_step_s,
                      source="measured at setup (one process: the optimizer step and the loop)",
                      calibrate_s=time.perf_counter() - start,
                      extra={f"{c}@{w}_optimizer_s": v for (c, w), v in optimizer_s.items()})
+
+
+def _time_plain_optimizer(device: torch.device, optimizer: torch.optim.Optimizer, repeats: int,
+                          room_bytes: int | None) -> dict[tuple[str, int], float]:
+    """The optimizer step's median seconds on the plain stacks, keyed like the benches; none where
+    not even the narrowest fits ``room_bytes`` (one process's plan does not depend on them)."""
+    specs = [BenchSpec(LOCAL)]
+    try:
+        layout = calibration_layout(specs, room_bytes, _state_bytes_per_param(optimizer), 1)
+    except CalibrationRoomError as err:
+        rank_zero_info(f"osdp: the optimizer step is not timed: {err}")
+        return {}
+    _log_layout(layout, room_bytes)
+    benches = time_bench_groups(layout, specs, device, None, optimizer, repeats, BENCH_ROUNDS_S)
+    return {k: statistics.median(b.optimizer_s) for k, b in benches.items()}
 
 
 def busy_reason(terms: StepTerms, device: torch.device) -> str | None:
@@ -137,13 +167,22 @@ def busy_reason(terms: StepTerms, device: torch.device) -> str | None:
             f"{100 * QUIET_CPU_SHARE:.0f}% on a quiet machine)")
 
 
+def narrow_reason(terms: StepTerms) -> str | None:
+    """Why freshly measured ``terms`` must not be cached (stacks narrower than the usual, to fit a
+    small budget: :mod:`~osdp_lightning.calibrate.room`), or ``None``."""
+    widest = terms.extra.get("calibrate_widest", max(STACK_WIDTHS))
+    if widest == max(STACK_WIDTHS):
+        return None
+    return f"the memory budget left room only for stacks up to {widest:.0f} wide (usually {max(STACK_WIDTHS)})"
+
+
 def calibrate_step_terms(device: torch.device, optimizer: torch.optim.Optimizer | None, meshes: Meshes, *,
                          ranks_per_node: int, split: bool = True, loop_step_s: float = 0.0,
-                         use_cache: bool = True) -> StepTerms:
+                         use_cache: bool = True, room_bytes: int | None = None) -> StepTerms:
     """The step terms of this process group: the median of the cached calibrations once there are
-    :data:`CACHE_DRAWS` (or :data:`DRAWS_ENV`) of them that rank 0 trusts; else measured, added to
-    the cache and taken with the cached ones (every rank must call this; every rank returns rank 0's
-    terms)."""
+    :data:`CACHE_DRAWS` (or :data:`DRAWS_ENV`) of them that rank 0 trusts; else measured within
+    ``room_bytes`` (:func:`measure_step_terms`), added to the cache and taken with the cached ones
+    (every rank must call this; every rank returns rank 0's terms)."""
     key = calibration_key(device, dist.get_world_size(), ranks_per_node, optimizer, split)
     path, wanted = cache_file(key), cache_draws(CACHE_DRAWS)
     found: list[Any] = [[]]
@@ -154,9 +193,10 @@ def calibrate_step_terms(device: torch.device, optimizer: torch.optim.Optimizer 
     if len(draws) == wanted:
         terms = median_terms(draws, source=f"cache {path} (median of {len(draws)} calibrations)")
         return replace(terms, loop_step_s=loop_step_s, calibrate_s=0.0)
-    measured = measure_step_terms(device, optimizer, meshes, split=split, loop_step_s=loop_step_s)
-    busy = busy_reason(measured, device)  # the same on every rank: from gathered figures
-    if busy is not None:  # used for this launch only: a busy machine's terms stand for now, not later
+    measured = measure_step_terms(device, optimizer, meshes, split=split, loop_step_s=loop_step_s,
+                                  room_bytes=room_bytes)
+    busy = narrow_reason(measured) or busy_reason(measured, device)  # the same on every rank
+    if busy is not None:  # used for this launch only: they stand for now, not for later launches
         if use_cache and dist.get_rank() == 0:
             rank_zero_info(f"osdp: step terms not cached: {busy}; the next launch measures again")
         return measured
@@ -168,7 +208,7 @@ def calibrate_step_terms(device: torch.device, optimizer: torch.optim.Optimizer 
     return replace(terms, loop_step_s=loop_step_s, calibrate_s=measured.calibrate_s)
 
 
-__all__ = ["BUSY_CPU_SHARE", "CACHE_DRAWS", "CACHE_ENV", "CACHE_FORMAT", "CACHE_MAX_AGE_S", "DRAWS_ENV",
+__all__ = ["BUSY_CPU_SHARE", "CalibrationRoomError", "CACHE_DRAWS", "CACHE_ENV", "CACHE_FORMAT", "CACHE_MAX_AGE_S", "DRAWS_ENV",
            "QUIET_CPU_SHARE", "CollectiveTimings", "busy_reason", "cache_dir", "cache_draws", "cache_file",
            "calibrate_step_terms", "calibration_key", "clone_optimizer", "least_time_s", "measure_collectives",
-           "measure_one_process_terms", "measure_step_terms", "median_terms", "read_cache", "write_cache"]
+           "measure_one_process_terms", "measure_step_terms", "median_terms", "narrow_reason", "read_cache", "write_cache"]

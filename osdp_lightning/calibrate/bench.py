@@ -78,9 +78,9 @@ def stack_unit_tensors(calibration: FamilyCalibration | None) -> int:
 
 def stack_timings(calibration: FamilyCalibration | None, excess_s: dict[int, float],
                   optimizer_s: dict[int, float]) -> StackTimings:
-    """What a family's fit reads of its bench, with the shape of the bench's units."""
+    """What a family's fit reads of its bench, with the shape of the bench's units (at the widths timed)."""
     return StackTimings(excess_s=excess_s, optimizer_s=optimizer_s,
-                        unit_bytes={w: 4 * stack_unit_params(w, calibration) for w in STACK_WIDTHS},
+                        unit_bytes={w: 4 * stack_unit_params(w, calibration) for w in {*excess_s, *optimizer_s}},
                         unit_tensors=stack_unit_tensors(calibration))
 
 
@@ -94,6 +94,8 @@ class BenchSpec:
     """The family it measures (``None``: the plain stack)."""
     reference: bool = False
     """The family's unsharded reference stack rather than its bench."""
+    against: str = LOCAL
+    """The bench this one is timed against (a family's bench: its reference)."""
 
 
 def reference_name(family: ChoiceFamily) -> str:
@@ -114,7 +116,7 @@ def bench_specs(optional: bool) -> list[BenchSpec]:
     for family in calibrated_families(optional):
         if reference_name(family) != LOCAL:
             specs.append(BenchSpec(reference_name(family), family.calibration, reference=True))
-        specs.append(BenchSpec(family.calibration.bench, family.calibration))
+        specs.append(BenchSpec(family.calibration.bench, family.calibration, against=reference_name(family)))
     return specs
 
 
@@ -267,28 +269,41 @@ def time_benches(benches: dict[tuple[str, int], Bench], device: torch.device, re
                 break
 
 
-def time_collective_sizes(device: torch.device, repeats: int) -> dict[str, float]:
-    """Least seconds of each collective kind at each size, keyed ``"<kind>@<bytes>"``."""
+def time_collective_sizes(device: torch.device, repeats: int,
+                          sizes: tuple[int, ...] = COLLECTIVE_BYTES) -> dict[str, float]:
+    """Least seconds of each collective kind at each of ``sizes`` (unsharded bytes), keyed
+    ``"<kind>@<bytes>"``; one size's tensors at a time (the room calibration takes:
+    :mod:`osdp_lightning.calibrate.room`)."""
     world = dist.get_world_size()
-    ops: dict[str, Callable[[], Any]] = {}
-    for nbytes in COLLECTIVE_BYTES:
-        numel = max(nbytes // 4 // world, 1) * world
-        full, shard = torch.zeros(numel, device=device), torch.zeros(numel // world, device=device)
-        ops[f"{ALL_GATHER}@{numel * 4}"] = lambda f=full, s=shard: dist.all_gather_into_tensor(f, s)
-        ops[f"{REDUCE_SCATTER}@{numel * 4}"] = lambda f=full, s=shard: reduce_scatter(s, f)
-        ops[f"{ALL_REDUCE}@{numel * 4}"] = lambda f=full: dist.all_reduce(f)
-    samples: dict[str, list[float]] = {name: [] for name in ops}
+    least: dict[str, float] = {}
     with warnings.catch_warnings():  # renamed in newer torch; the old name works from 2.6 on
         warnings.simplefilter("ignore", FutureWarning)
-        for op in ops.values():
-            op()
-        for index in range(repeats):
-            for name in rotated(list(ops), index):
-                synchronize(device)
-                start = time.perf_counter()
-                ops[name]()
-                synchronize(device)
-                samples[name].append(time.perf_counter() - start)
+        for nbytes in sizes:
+            least.update(_least_times(_collective_ops(max(nbytes // 4 // world, 1) * world, world, device),
+                                      device, repeats))
+    return least
+
+
+def _collective_ops(numel: int, world: int, device: torch.device) -> dict[str, Callable[[], Any]]:
+    """Each collective kind over ``numel`` fp32 elements (gathered), keyed ``"<kind>@<bytes>"``."""
+    full, shard = torch.zeros(numel, device=device), torch.zeros(numel // world, device=device)
+    return {f"{ALL_GATHER}@{numel * 4}": lambda: dist.all_gather_into_tensor(full, shard),
+            f"{REDUCE_SCATTER}@{numel * 4}": lambda: reduce_scatter(shard, full),
+            f"{ALL_REDUCE}@{numel * 4}": lambda: dist.all_reduce(full)}
+
+
+def _least_times(ops: dict[str, Callable[[], Any]], device: torch.device, repeats: int) -> dict[str, float]:
+    """Each op's least seconds over ``repeats`` rounds (their order rotated), after one warm-up call."""
+    samples: dict[str, list[float]] = {name: [] for name in ops}
+    for op in ops.values():
+        op()
+    for index in range(repeats):
+        for name in rotated(list(ops), index):
+            synchronize(device)
+            start = time.perf_counter()
+            ops[name]()
+            synchronize(device)
+            samples[name].append(time.perf_counter() - start)
     # NOTE: the least, not the median: a standalone collective's delays are one-sided (the other
     # rank late, a page fault on a fresh buffer). The median of 7 of gloo's 16 MiB reduce-scatter
     # came out at 4x its usual time now and then, and every FSDP2 term that subtracts it became 0.

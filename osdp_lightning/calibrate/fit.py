@@ -11,7 +11,6 @@ from osdp_lightning.calibrate.bench import (
     LOCAL,
     STACK_DEPTH,
     STACK_ROWS,
-    STACK_WIDTHS,
     Bench,
     calibrated_families,
     reference_name,
@@ -77,7 +76,8 @@ def _stack_model_s(collectives: dict[str, Affine], calibration: FamilyCalibratio
 def plain_optimizer_term(optimizer_s: dict[tuple[str, int], float]) -> Affine:
     """The optimizer step on plain tensors, per tensor and per byte, from the plain stacks' median
     ``optimizer_s`` (keyed like the benches)."""
-    plain = stack_timings(None, {}, {w: optimizer_s[LOCAL, w] / STACK_DEPTH for w in STACK_WIDTHS})
+    plain = stack_timings(None, {}, {w: seconds / STACK_DEPTH for (name, w), seconds in optimizer_s.items()
+                                     if name == LOCAL})
     return Affine.fit(plain.points(plain.optimizer_s), plain.unit_tensors)
 
 
@@ -98,16 +98,16 @@ def fit_terms(collective_s: dict[str, float], benches: dict[tuple[str, int], Ben
     opt = {k: statistics.median(b.optimizer_s) if b.optimizer_s else 0.0 for k, b in benches.items()}
     overhead: dict[str, Affine] = {}
     optimizer: dict[str, Affine] = {PLAIN: plain_optimizer_term(opt)}
-    benched = calibrated_families(optional)
+    benched, widths = calibrated_families(optional), sorted({w for _, w in benches})
     for family in calibrated_families(optional=True):
         calibration, timings = family.calibration, None
         if family in benched:
             bench, reference, n = calibration.bench, reference_name(family), len(stack_unit_names(calibration))
-            compute = {w: (forward[reference, w], step[reference, w] - forward[reference, w]) for w in STACK_WIDTHS}
+            compute = {w: (forward[reference, w], step[reference, w] - forward[reference, w]) for w in widths}
             model = {w: _stack_model_s(collectives, calibration, w, world, compute[w], overlap_efficiency)
-                     for w in STACK_WIDTHS}
-            timings = stack_timings(calibration, {w: (step[bench, w] - model[w]) / n for w in STACK_WIDTHS},
-                                    {w: opt[bench, w] / n for w in STACK_WIDTHS})
+                     for w in widths}
+            timings = stack_timings(calibration, {w: (step[bench, w] - model[w]) / n for w in widths},
+                                    {w: opt[bench, w] / n for w in widths})
         family_overhead, family_optimizer = calibration.fit(timings, overhead, optimizer)
         overhead.update(family_overhead)
         optimizer.update(family_optimizer)

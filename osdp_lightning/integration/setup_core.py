@@ -225,7 +225,7 @@ class OSDPSetup:
             self.measure_fixed_cost(module)
             self.plan = given
             return given
-        self.calibrate(step.optimizer)
+        self.calibrate(step.optimizer, self.calibration_room_bytes(module))
         self.measure_fixed_cost(module)
         self.compile_for_profile(module)
         start_s = compile_seconds()
@@ -248,12 +248,25 @@ class OSDPSetup:
             for name in spec.module_names:
                 compile_unit(module.get_submodule(name), name)
 
-    def calibrate(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Collective timings, node links and step terms; every rank, rank 0's figures (or its cache) on all."""
+    def calibration_room_bytes(self, module: nn.Module) -> int | None:
+        """What calibration may hold at once under a real limit: the budget less what the model holds
+        on the device now (every rank alike: every rank built the same model); ``None`` otherwise."""
+        if not self.budget_is_real_limit:
+            return None
+        device = self.ranks.device
+        held = (module_tensor_bytes(module) if device.type == "cpu"
+                else torch.cuda.memory_reserved(device) if device.type == "cuda" else 0)
+        return self.cluster_spec().memory_budget_bytes - held
+
+    def calibrate(self, optimizer: torch.optim.Optimizer | None, room_bytes: int | None = None) -> None:
+        """Collective timings, node links and step terms; every rank, rank 0's figures (or its cache) on
+        all; a calibration that measures holds at most ``room_bytes`` at once, or is refused
+        (:mod:`osdp_lightning.calibrate.room`)."""
         ranks, device = self.ranks, self.ranks.device
         loop_step_s = default_loop_step_s(device.type)
         if ranks.world_size == 1:
-            self.step_terms = measure_one_process_terms(device, optimizer, loop_step_s=loop_step_s)
+            self.step_terms = measure_one_process_terms(device, optimizer, loop_step_s=loop_step_s,
+                                                        room_bytes=room_bytes)
         else:
             self.timings = measure_collectives(device)
             if ranks.num_nodes > 1:  # intra- and inter-node links apart
@@ -262,7 +275,7 @@ class OSDPSetup:
             self.step_terms = calibrate_step_terms(
                 device, optimizer, self.meshes, ranks_per_node=ranks.ranks_per_node,
                 split=True,  # NOTE: one cache entry per machine, whatever this run may choose
-                loop_step_s=loop_step_s, use_cache=self.config.calibration_cache)
+                loop_step_s=loop_step_s, use_cache=self.config.calibration_cache, room_bytes=room_bytes)
         terms = self.step_terms
         rank_zero_info(f"osdp: step terms {terms.source}"
                        + (f" ({terms.calibrate_s:.2f} s)" if terms.calibrate_s else ""))

@@ -1,12 +1,14 @@
 """Step-term calibration on 2 real gloo ranks, the cache keeping 2 calibrations: measured and cached,
 measured again and taken with the cached one, read back, then measured with the busy threshold above
-any share of a core (so that it is not cached).
+any share of a core (so that it is not cached); then within the room of one pair of benches at a
+time (its resident high-water's growth recorded), within the room of stacks of 4, 16 and 32 (not cached), and
+within 1 KiB (refused).
 
 Run as a script (it spawns its own 2 ranks unless a launcher started them):
     python calibrate_check.py --out result.json
 The cache directory comes from ``OSDP_LIGHTNING_CACHE_DIR`` (the test points it at a temporary
-directory). Every rank writes its terms of the four calls to ``<out>.rank<r>.json``, and the cache
-files there after the first and the fourth.
+directory). Every rank writes its terms of the five calls to ``<out>.rank<r>.json``, the cache
+files there after the first and the fourth, the fifth's room and high-water growth, and the sixth's error.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ def run(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     try:
         from osdp_lightning import calibrate
+        from osdp_lightning.calibrate.bench import bench_specs
+        from osdp_lightning.calibrate.room import candidate_layouts
         from osdp_lightning.runtime.meshes import build_meshes
+        from osdp_lightning.runtime.process_memory import process_status_bytes
 
         device = torch.device("cpu")
         optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
@@ -44,8 +49,9 @@ def run(rank: int, port: int, out: str) -> None:
             dist.barrier()  # rank 0 writes the cache
             return sorted(path.name for path in calibrate.cache_dir().glob("step_terms_*.json"))
 
-        def calibrated() -> dict:
-            terms = calibrate.calibrate_step_terms(device, optimizer, meshes, ranks_per_node=WORLD, loop_step_s=1e-3)
+        def calibrated(room_bytes: int | None = None) -> dict:
+            terms = calibrate.calibrate_step_terms(device, optimizer, meshes, ranks_per_node=WORLD, loop_step_s=1e-3,
+                                                   room_bytes=room_bytes)
             return terms.to_dict()
 
         calibrate.CACHE_DRAWS = 2  # two calls fill the cache (5 by default)
@@ -58,8 +64,24 @@ def run(rank: int, port: int, out: str) -> None:
                 path.unlink()
         calibrate.BUSY_CPU_SHARE = 2.0  # every measurement now counts as made on a busy machine
         fourth = calibrated()
-        result = {"first": first, "second": second, "third": third, "fourth": fourth,
-                  "cached_after_first": after_first, "cached_after_fourth": cached()}
+        after_fourth = cached()
+        layouts = candidate_layouts(bench_specs(optional=True), 8, WORLD)  # AdamW: 8 B of state per parameter
+        least = layouts[2].peak_bytes  # one pair of benches at a time
+        with open("/proc/self/clear_refs", "w") as refs:  # the high-water mark from the resident set now
+            refs.write("5")
+        before = process_status_bytes("VmRSS")["VmRSS"]
+        fifth = calibrated(least)
+        grown = process_status_bytes("VmHWM")["VmHWM"] - before
+        narrowest = calibrated(layouts[6].peak_bytes)  # stacks of 4, 16 and 32 beside 1 MiB collectives
+        try:
+            calibrated(1024)
+            refused = ""
+        except calibrate.CalibrationRoomError as err:
+            refused = str(err)
+        result = {"first": first, "second": second, "third": third, "fourth": fourth, "fifth": fifth,
+                  "cached_after_first": after_first, "cached_after_fourth": after_fourth, "least_room": least,
+                  "fifth_grown": grown, "sixth_refused": refused, "narrowest": narrowest,
+                  "cached_after_narrowest": cached()}
         Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
