@@ -63,7 +63,12 @@ from osdp_lightning.runtime.compile import (
     compiled_once,
     recompile_user_compiled,
 )
-from osdp_lightning.runtime.faults import all_ranks_succeed, broadcast_object, portable_error
+from osdp_lightning.runtime.faults import (
+    all_gather_object,
+    all_ranks_succeed,
+    broadcast_object,
+    portable_error,
+)
 from osdp_lightning.runtime.meshes import Meshes, build_meshes
 from osdp_lightning.runtime.process_memory import (
     anonymous_bytes,
@@ -250,13 +255,14 @@ class OSDPSetup:
 
     def calibration_room_bytes(self, module: nn.Module) -> int | None:
         """What calibration may hold at once under a real limit: the budget less what the model holds
-        on the device now (every rank alike: every rank built the same model); ``None`` otherwise."""
+        on the device now (CUDA: all the allocator reserved), the least of any rank's, so that every
+        rank lays calibration out alike (a collective); ``None`` otherwise."""
         if not self.budget_is_real_limit:
             return None
         device = self.ranks.device
         held = (module_tensor_bytes(module) if device.type == "cpu"
                 else torch.cuda.memory_reserved(device) if device.type == "cuda" else 0)
-        return self.cluster_spec().memory_budget_bytes - held
+        return min(all_gather_object(self.cluster_spec().memory_budget_bytes - held))
 
     def calibrate(self, optimizer: torch.optim.Optimizer | None, room_bytes: int | None = None) -> None:
         """Collective timings, node links and step terms; every rank, rank 0's figures (or its cache) on
