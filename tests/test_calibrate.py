@@ -34,6 +34,7 @@ from osdp_lightning.calibrate import fit as fitting
 from osdp_lightning.calibrate.bench import rotated
 from osdp_lightning.choices.split import SPLIT_REPLICATED
 from osdp_lightning.cost.budget import format_bytes
+from osdp_lightning.cost.links import LINK_PAYLOAD_BYTES, link_probe_bytes
 from osdp_lightning.cost.step_terms import (
     GROUP_TERMS,
     PLAIN,
@@ -178,7 +179,7 @@ def test_calibration_on_two_ranks_is_positive_identical_and_cached_unless_busy(t
     assert done.returncode == 0, done.log[-9000:]
     ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
     first, second, third, fourth = (ranks[0][k] for k in ("first", "second", "third", "fourth"))
-    own = {"fifth_grown"}  # each rank's own high-water
+    own = {"fifth_grown", "probe_grown"}  # each rank's own high-water
     assert {k: v for k, v in ranks[1].items() if k not in own} == {k: v for k, v in ranks[0].items() if k not in own}, \
         "ranks calibrated different terms"
     shares = [call["extra"]["calibrate_cpu_share"] for call in (first, second)]
@@ -218,8 +219,9 @@ def test_calibration_on_two_ranks_is_positive_identical_and_cached_unless_busy(t
     fifth = ranks[0]["fifth"]
     assert fifth["extra"]["calibrate_groups"] == 4 * 3 and StepTerms.from_dict(fifth).is_valid()
     assert {k for k in fifth["extra"] if k.endswith("_step_s")} == {f"{b}_step_s" for b in benches}
-    for rank in ranks:
+    for rank in ranks:  # the link probe too holds at most what it is bounded by
         assert rank["fifth_grown"] <= rank["least_room"], (rank["fifth_grown"], rank["least_room"])
+        assert rank["probe_grown"] <= link_probe_bytes(LINK_PAYLOAD_BYTES, 2), rank["probe_grown"]
     assert "in 12 groups, each freed before the next" in done.log
     # within the narrowest layout's: stacks of 4, 16 and 32, valid terms, used but never cached
     narrowest = ranks[0]["narrowest"]
@@ -413,7 +415,12 @@ def test_calibration_takes_the_fastest_layout_of_its_benches_that_fits_its_room(
     fastest that fits it (all at once, a width at a time, a pair at a time, then narrower stacks and
     smaller collectives), and a room below the narrowest is refused naming what it needs."""
     from osdp_lightning.calibrate.bench import COLLECTIVE_BYTES, STACK_WIDTHS, bench_specs
-    from osdp_lightning.calibrate.room import CalibrationRoomError, calibration_layout, candidate_layouts
+    from osdp_lightning.calibrate.room import (
+        CalibrationRoomError,
+        calibration_layout,
+        candidate_layouts,
+        link_payload_bytes,
+    )
 
     specs = bench_specs(optional=True)
     layouts = candidate_layouts(specs, 8, 2)
@@ -441,6 +448,12 @@ def test_calibration_takes_the_fastest_layout_of_its_benches_that_fits_its_room(
                                                    rf"leaves {format_bytes(least - 10)}: .* at least 10 B larger"):
         calibration_layout(specs, least - 10, 8, 2)
     assert least < 2**19  # the narrowest stacks' pair beside 128 KiB collectives
+    # the link probe every launch runs: its payload halved until it fits, refused below 64 KiB's
+    assert link_payload_bytes(None, 2) == LINK_PAYLOAD_BYTES == link_payload_bytes(link_probe_bytes(2**23, 2), 2)
+    assert link_payload_bytes(link_probe_bytes(2**23, 2) - 1, 2) == 2**22
+    assert link_payload_bytes(link_probe_bytes(2**16, 2), 2) == 2**16
+    with pytest.raises(CalibrationRoomError, match=r"timing the links needs at least .* at least 1 B larger"):
+        link_payload_bytes(link_probe_bytes(2**16, 2) - 1, 2)
     # one process times only the plain stack (no collectives); SGD without momentum keeps no state
     alone = candidate_layouts(bench_specs(optional=False)[:1], 0, 1)
     assert alone[0].peak_bytes < layouts[0].peak_bytes and alone[-1].peak_bytes < least

@@ -51,6 +51,7 @@ from osdp_lightning.calibrate.room import (
     CalibrationLayout,
     CalibrationRoomError,
     calibration_layout,
+    link_payload_bytes,
     time_bench_groups,
 )
 from osdp_lightning.cost.budget import format_bytes
@@ -208,7 +209,8 @@ def calibrate_step_terms(device: torch.device, optimizer: torch.optim.Optimizer 
     return replace(terms, loop_step_s=loop_step_s, calibrate_s=measured.calibrate_s)
 
 
-__all__ = ["BUSY_CPU_SHARE", "CalibrationRoomError", "CACHE_DRAWS", "CACHE_ENV", "CACHE_FORMAT", "CACHE_MAX_AGE_S", "DRAWS_ENV",
-           "QUIET_CPU_SHARE", "CollectiveTimings", "busy_reason", "cache_dir", "cache_draws", "cache_file",
-           "calibrate_step_terms", "calibration_key", "clone_optimizer", "least_time_s", "measure_collectives",
-           "measure_one_process_terms", "measure_step_terms", "median_terms", "narrow_reason", "read_cache", "write_cache"]
+__all__ = ["BUSY_CPU_SHARE", "CACHE_DRAWS", "CACHE_ENV", "CACHE_FORMAT", "CACHE_MAX_AGE_S", "DRAWS_ENV",
+           "QUIET_CPU_SHARE", "CalibrationRoomError", "CollectiveTimings", "busy_reason", "cache_dir", "cache_draws",
+           "cache_file", "calibrate_step_terms", "calibration_key", "clone_optimizer", "least_time_s",
+           "link_payload_bytes", "measure_collectives", "measure_one_process_terms", "measure_step_terms",
+           "median_terms", "narrow_reason", "read_cache", "write_cache"]

@@ -41,6 +41,7 @@ from osdp_lightning.calibrate.bench import (
     time_benches,
 )
 from osdp_lightning.cost.budget import format_bytes
+from osdp_lightning.cost.links import LINK_PAYLOAD_BYTES, link_probe_bytes
 from osdp_lightning.runtime.meshes import Meshes
 
 BenchKey = tuple[str, int]
@@ -54,6 +55,10 @@ WIDTH_HALVINGS = 4
 SIZE_HALVINGS = 8
 """How often they halve the collectives' sizes (the largest down to 64 KiB), as long as that makes
 the layout smaller."""
+
+
+MIN_LINK_PAYLOAD_BYTES = 64 * 2**10
+"""The least payload the link probe is halved to."""
 
 
 class CalibrationRoomError(MemoryError):
@@ -98,12 +103,13 @@ def bench_step_bytes(width: int) -> int:
 
 def collective_peak_bytes(world: int, sizes: Sequence[int] = COLLECTIVE_BYTES) -> int:
     """What the timed collectives hold at once: the largest size's gathered tensor and its shard
-    (each size is timed and freed before the next), and a gathered tensor's worth again (gloo's
-    all-gather into one tensor gathers into a buffer of its own first: 16 MiB more, measured)."""
+    (each size is timed and freed before the next), and gloo's own buffer for an all-gather into one
+    tensor, as large as the gathered one, twice (as :func:`~osdp_lightning.cost.links.link_probe_bytes`
+    counts it; 40 MiB measured with it once)."""
     if world < 2:
         return 0
     largest = max(sizes)
-    return 2 * largest + math.ceil(largest / world)
+    return 3 * largest + math.ceil(largest / world)
 
 
 def group_peak_bytes(group: Sequence[BenchKey], state_bytes_per_param: int) -> int:
@@ -156,6 +162,23 @@ def calibration_layout(specs: Sequence[BenchSpec], room_bytes: int | None, state
         f"calibrating the step terms needs at least {format_bytes(needed)} ({needed} bytes) beside what the "
         f"model holds, and the memory budget leaves {format_bytes(max(room_bytes, 0))}: give a memory budget at "
         f"least {format_bytes(needed - room_bytes)} larger")
+
+
+def link_payload_bytes(room_bytes: int | None, world: int) -> int:
+    """The link probe's payload (:func:`~osdp_lightning.cost.links.measure_collectives`, which every
+    launch runs, a cached calibration or not): the usual, or halved until the probe fits ``room_bytes``.
+
+    Raises :class:`CalibrationRoomError` where not even 64 KiB fits."""
+    payload = LINK_PAYLOAD_BYTES
+    while room_bytes is not None and link_probe_bytes(payload, world) > room_bytes:
+        if payload <= MIN_LINK_PAYLOAD_BYTES:
+            needed = link_probe_bytes(payload, world)
+            raise CalibrationRoomError(
+                f"timing the links needs at least {format_bytes(needed)} ({needed} bytes) beside what the model "
+                f"holds, and the memory budget leaves {format_bytes(max(room_bytes, 0))}: give a memory budget at "
+                f"least {format_bytes(needed - room_bytes)} larger")
+        payload //= 2
+    return payload
 
 
 def time_bench_groups(layout: CalibrationLayout, specs: Sequence[BenchSpec], device: torch.device,

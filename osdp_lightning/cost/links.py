@@ -54,30 +54,49 @@ def least_time_s(fn: Callable[[], Any], device: torch.device, repeats: int) -> f
     return min(samples)
 
 
-def measure_collectives(device: torch.device, payload_bytes: int = 8 * 2**20, repeats: int = 5,
+LINK_PAYLOAD_BYTES = 8 * 2**20
+"""Bytes of the all-gather :func:`measure_collectives` times (gathered)."""
+OVERLAP_MATRIX = 512
+"""Side of the fp32 matrix whose products the overlap probe runs beside the all-gather."""
+
+
+def link_probe_bytes(payload_bytes: int, world: int) -> int:
+    """At most what :func:`measure_collectives` holds at once: the gathered payload, its shard, the
+    matrix and one product, and gloo's own buffer as large as the payload (an all-gather into one
+    tensor gathers into it first) twice: gloo's thread releases it after the call returns, so the
+    next call's may already be there (:mod:`osdp_lightning.runtime.collectives`)."""
+    return 3 * payload_bytes + payload_bytes // world + 2 * OVERLAP_MATRIX**2 * 4
+
+
+def measure_collectives(device: torch.device, payload_bytes: int = LINK_PAYLOAD_BYTES, repeats: int = 5,
                         group: dist.ProcessGroup | None = None) -> CollectiveTimings:
-    """Time collectives on ``group`` and return rank 0's figures on every rank."""
+    """Time collectives on ``group`` and return rank 0's figures on every rank (holding at most
+    :func:`link_probe_bytes`)."""
     start = time.perf_counter()
     world = dist.get_world_size(group)
     tiny = torch.zeros(1, device=device)
     shard = torch.ones(payload_bytes // 4 // world, device=device)
     gathered = torch.empty(shard.numel() * world, device=device)
-    a = torch.randn(512, 512, device=device, generator=torch.Generator(device).manual_seed(0))  # not the user's
+    a = torch.randn(OVERLAP_MATRIX, OVERLAP_MATRIX, device=device,
+                    generator=torch.Generator(device).manual_seed(0))  # not the user's
 
     def all_gather(async_op: bool = False):
         with warnings.catch_warnings():  # renamed in newer torch; the old name works from 2.6 on
             warnings.simplefilter("ignore", FutureWarning)
             return dist.all_gather_into_tensor(gathered, shard, group=group, async_op=async_op)
 
-    def both() -> None:
-        work = all_gather(async_op=True)
+    def compute() -> None:
         for _ in range(4):
             a @ a
+
+    def both() -> None:
+        work = all_gather(async_op=True)
+        compute()
         work.wait()
 
     latency = least_time_s(lambda: dist.all_reduce(tiny, group=group), device, repeats)
     gather_s = least_time_s(all_gather, device, repeats)
-    compute_s = least_time_s(lambda: [a @ a for _ in range(4)], device, repeats)
+    compute_s = least_time_s(compute, device, repeats)
     both_s = least_time_s(both, device, repeats)
     moved = gathered.numel() * 4 * (world - 1) / world
     bandwidth = moved / max(gather_s - latency, 1e-9)

@@ -30,6 +30,7 @@ from osdp_lightning.apply.apply import apply_plan, connect_plan
 from osdp_lightning.calibrate import (
     CollectiveTimings,
     calibrate_step_terms,
+    link_payload_bytes,
     measure_collectives,
     measure_one_process_terms,
 )
@@ -44,6 +45,7 @@ from osdp_lightning.cost.cluster import ClusterSpec, NodeTimings, live_cluster_s
 from osdp_lightning.cost.step_terms import StepTerms, default_loop_step_s
 from osdp_lightning.integration.config import OSDPConfig
 from osdp_lightning.plan.pipeline import (
+    ProfileOptions,
     budget_floor_bytes,
     check_setup_fits,
     profile_model,
@@ -226,10 +228,12 @@ class OSDPSetup:
                 # NOTE: a saved plan skips calibration, whose collectives also warm the process group
                 # up: without them the same all-replicate plan ran 0.15 s a step instead of 0.11 for
                 # the whole run (GPT 4 x 384, 2 gloo ranks; a tiny all-reduce and an all-gather suffice).
-                self.timings = measure_collectives(ranks.device)
+                self.timings = measure_collectives(
+                    ranks.device, link_payload_bytes(self.calibration_room_bytes(module), ranks.world_size))
             self.measure_fixed_cost(module)
             self.plan = given
             return given
+        self.check_setup_fits(module, step)  # NOTE: before calibrating, whose own refusal names less
         self.calibrate(step.optimizer, self.calibration_room_bytes(module))
         self.measure_fixed_cost(module)
         self.compile_for_profile(module)
@@ -274,9 +278,10 @@ class OSDPSetup:
             self.step_terms = measure_one_process_terms(device, optimizer, loop_step_s=loop_step_s,
                                                         room_bytes=room_bytes)
         else:
-            self.timings = measure_collectives(device)
+            payload = link_payload_bytes(room_bytes, ranks.world_size)  # before anything is allocated
+            self.timings = measure_collectives(device, payload)
             if ranks.num_nodes > 1:  # intra- and inter-node links apart
-                self.node_timings = measure_node_collectives(device, ranks.ranks_per_node)
+                self.node_timings = measure_node_collectives(device, ranks.ranks_per_node, min(payload, 4 * 2**20))
             self.meshes = build_meshes(device.type, ranks.world_size)
             self.step_terms = calibrate_step_terms(
                 device, optimizer, self.meshes, ranks_per_node=ranks.ranks_per_node,
@@ -291,6 +296,17 @@ class OSDPSetup:
         warmed up torch, gloo and osdp's machinery, less the model's tensors (every rank its own)."""
         if self.ranks.device.type == "cpu":
             self.fixed_cost_bytes, self.fixed_file_bytes = fixed_cost_bytes(module), file_bytes()
+
+    def _profile_options(self, step: StepInputs) -> ProfileOptions:
+        config = self.config
+        return config.profile_options(step.precision, split=config.uniform_choice is None and self.ranks.world_size > 1)
+
+    def check_setup_fits(self, module: nn.Module, step: StepInputs) -> None:
+        """Refuse, on every rank alike, a budget that cannot hold the profile from shapes itself
+        (:func:`~osdp_lightning.plan.pipeline.check_setup_fits`)."""
+        budget = self.config.budget
+        if not self.profile_whole and not (budget is not None and budget.needs_profile):
+            check_setup_fits(module, self._profile_options(step), self.cluster_spec().memory_budget_bytes)
 
     def _on_rank_zero(self, work: Callable[[], Any]) -> Any:
         """``work()`` on rank 0, its result on every rank; its error raised on every rank (also one
@@ -316,11 +332,7 @@ class OSDPSetup:
         self._batch = None  # NOTE: the profile holds it as long as it needs it
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        options = config.profile_options(step.precision,
-                                         split=config.uniform_choice is None and self.ranks.world_size > 1)
-        budget = config.budget
-        if not self.profile_whole and not (budget is not None and budget.needs_profile):
-            check_setup_fits(module, options, self.cluster_spec().memory_budget_bytes)
+        options = self._profile_options(step)
         optimizers = [step.optimizer] if step.optimizer is not None else []
         start = anonymous_bytes(), module_tensor_bytes(module, optimizers)
 

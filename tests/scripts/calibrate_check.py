@@ -1,7 +1,7 @@
 """Step-term calibration on 2 real gloo ranks, the cache keeping 2 calibrations: measured and cached,
 measured again and taken with the cached one, read back, then measured with the busy threshold above
 any share of a core (so that it is not cached); then within the room of one pair of benches at a
-time (its resident high-water's growth recorded), within the room of stacks of 4, 16 and 32 (not cached), and
+time (its resident high-water's growth recorded, and the link probe's), within the room of stacks of 4, 16 and 32 (not cached), and
 within 1 KiB (refused).
 
 Run as a script (it spawns its own 2 ranks unless a launcher started them):
@@ -72,6 +72,11 @@ def run(rank: int, port: int, out: str) -> None:
         before = process_status_bytes("VmRSS")["VmRSS"]
         fifth = calibrated(least)
         grown = process_status_bytes("VmHWM")["VmHWM"] - before
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        before = process_status_bytes("VmRSS")["VmRSS"]
+        calibrate.measure_collectives(device)
+        probe_grown = process_status_bytes("VmHWM")["VmHWM"] - before
         narrowest = calibrated(layouts[6].peak_bytes)  # stacks of 4, 16 and 32 beside 1 MiB collectives
         try:
             calibrated(1024)
@@ -80,7 +85,7 @@ def run(rank: int, port: int, out: str) -> None:
             refused = str(err)
         result = {"first": first, "second": second, "third": third, "fourth": fourth, "fifth": fifth,
                   "cached_after_first": after_first, "cached_after_fourth": after_fourth, "least_room": least,
-                  "fifth_grown": grown, "sixth_refused": refused, "narrowest": narrowest,
+                  "fifth_grown": grown, "probe_grown": probe_grown, "sixth_refused": refused, "narrowest": narrowest,
                   "cached_after_narrowest": cached()}
         Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
     finally:
