@@ -23,7 +23,6 @@ holds less), and one step's transients on top of its group (only one bench steps
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,10 +37,11 @@ from osdp_lightning.calibrate.bench import (
     BenchSpec,
     build_bench,
     release_benches,
+    stack_unit_params,
     time_benches,
 )
 from osdp_lightning.cost.budget import format_bytes
-from osdp_lightning.cost.links import LINK_PAYLOAD_BYTES, link_probe_bytes
+from osdp_lightning.cost.links import LINK_PAYLOAD_BYTES, all_gather_held_bytes, link_probe_bytes
 from osdp_lightning.runtime.meshes import Meshes
 
 BenchKey = tuple[str, int]
@@ -89,27 +89,21 @@ class CalibrationLayout:
 def bench_held_bytes(width: int, state_bytes_per_param: int) -> int:
     """At most what one bench holds between its steps: its stack's fp32 parameters and gradients and
     the optimizer's state, all unsharded."""
-    params = STACK_DEPTH * 2 * (width * width + width)
-    return params * (2 * 4 + state_bytes_per_param)
+    return STACK_DEPTH * stack_unit_params(width, None) * (2 * 4 + state_bytes_per_param)
 
 
 def bench_step_bytes(width: int) -> int:
     """At most what one step of a bench allocates and frees: the whole stack gathered and its
     unsharded gradients (a sharded bench), the optimizer step's temporaries (as large again: a
     foreach step over the group) and the activations."""
-    params_bytes = STACK_DEPTH * 2 * (width * width + width) * 4
+    params_bytes = STACK_DEPTH * stack_unit_params(width, None) * 4
     return 3 * params_bytes + STACK_DEPTH * STEP_ACTIVATIONS * STACK_ROWS * width * 4
 
 
 def collective_peak_bytes(world: int, sizes: Sequence[int] = COLLECTIVE_BYTES) -> int:
-    """What the timed collectives hold at once: the largest size's gathered tensor and its shard
-    (each size is timed and freed before the next), and gloo's own buffer for an all-gather into one
-    tensor, as large as the gathered one, twice (as :func:`~osdp_lightning.cost.links.link_probe_bytes`
-    counts it; 40 MiB measured with it once)."""
-    if world < 2:
-        return 0
-    largest = max(sizes)
-    return 3 * largest + math.ceil(largest / world)
+    """What the timed collectives hold at once: the largest size's all-gather (each size is timed and
+    freed before the next; 40 MiB measured at 16 MiB)."""
+    return all_gather_held_bytes(max(sizes), world) if world > 1 else 0
 
 
 def group_peak_bytes(group: Sequence[BenchKey], state_bytes_per_param: int) -> int:
@@ -157,11 +151,14 @@ def calibration_layout(specs: Sequence[BenchSpec], room_bytes: int | None, state
     for layout in layouts:
         if layout.peak_bytes <= room_bytes:
             return layout
-    needed = layouts[-1].peak_bytes
-    raise CalibrationRoomError(
-        f"calibrating the step terms needs at least {format_bytes(needed)} ({needed} bytes) beside what the "
-        f"model holds, and the memory budget leaves {format_bytes(max(room_bytes, 0))}: give a memory budget at "
-        f"least {format_bytes(needed - room_bytes)} larger")
+    raise _room_error("calibrating the step terms", layouts[-1].peak_bytes, room_bytes)
+
+
+def _room_error(work: str, needed_bytes: int, room_bytes: int) -> CalibrationRoomError:
+    return CalibrationRoomError(
+        f"{work} needs at least {format_bytes(needed_bytes)} ({needed_bytes} bytes) beside what the model "
+        f"holds, and the memory budget leaves {format_bytes(max(room_bytes, 0))}: give a memory budget at "
+        f"least {format_bytes(needed_bytes - room_bytes)} larger")
 
 
 def link_payload_bytes(room_bytes: int | None, world: int) -> int:
@@ -172,11 +169,7 @@ def link_payload_bytes(room_bytes: int | None, world: int) -> int:
     payload = LINK_PAYLOAD_BYTES
     while room_bytes is not None and link_probe_bytes(payload, world) > room_bytes:
         if payload <= MIN_LINK_PAYLOAD_BYTES:
-            needed = link_probe_bytes(payload, world)
-            raise CalibrationRoomError(
-                f"timing the links needs at least {format_bytes(needed)} ({needed} bytes) beside what the model "
-                f"holds, and the memory budget leaves {format_bytes(max(room_bytes, 0))}: give a memory budget at "
-                f"least {format_bytes(needed - room_bytes)} larger")
+            raise _room_error("timing the links", link_probe_bytes(payload, world), room_bytes)
         payload //= 2
     return payload
 

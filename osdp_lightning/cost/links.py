@@ -11,6 +11,7 @@ that :func:`osdp_lightning.cost.cluster.live_cluster_spec` turns into a cluster 
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -60,12 +61,18 @@ OVERLAP_MATRIX = 512
 """Side of the fp32 matrix whose products the overlap probe runs beside the all-gather."""
 
 
+def all_gather_held_bytes(gathered_bytes: int, world: int) -> int:
+    """At most what timing an all-gather into one tensor of ``gathered_bytes`` holds at once: the
+    gathered tensor, its shard, and gloo's own buffer as large as the gathered one (it gathers into
+    that first) twice: gloo's thread releases it after the call returns, so the next call's may
+    already be there (:mod:`osdp_lightning.runtime.collectives`)."""
+    return 3 * gathered_bytes + math.ceil(gathered_bytes / world)
+
+
 def link_probe_bytes(payload_bytes: int, world: int) -> int:
-    """At most what :func:`measure_collectives` holds at once: the gathered payload, its shard, the
-    matrix and one product, and gloo's own buffer as large as the payload (an all-gather into one
-    tensor gathers into it first) twice: gloo's thread releases it after the call returns, so the
-    next call's may already be there (:mod:`osdp_lightning.runtime.collectives`)."""
-    return 3 * payload_bytes + payload_bytes // world + 2 * OVERLAP_MATRIX**2 * 4
+    """At most what :func:`measure_collectives` holds at once: its all-gather's bytes, the matrix
+    and one product."""
+    return all_gather_held_bytes(payload_bytes, world) + 2 * OVERLAP_MATRIX**2 * 4
 
 
 def measure_collectives(device: torch.device, payload_bytes: int = LINK_PAYLOAD_BYTES, repeats: int = 5,

@@ -152,8 +152,8 @@ def profile_model(module: nn.Module, batch: object, device: torch.device, option
     if not whole:
         try:
             return with_precision(profile_from_shapes(
-                module, batch, device, precision=_fake_step_precision(options.precision), step_context=step_context, choices=options.choices,
-                repeats=options.repeats, **units), sharded)
+                module, batch, device, precision=_fake_step_precision(options.precision), step_context=step_context,
+                choices=options.choices, repeats=options.repeats, **units), sharded)
         except FakeStepError as err:
             raise FakeStepError(_cannot_plan_from_shapes(module, err)) from err
     profile = profile_lightning_module(module, batch, optimizer=optimizer, step_context=step_context,
