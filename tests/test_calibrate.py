@@ -174,8 +174,9 @@ def test_calibration_on_two_ranks_is_positive_identical_and_cached_unless_busy(t
     out = tmp_path / "calib"
     done = run_ranks([script("calibrate_check.py"), "--out", str(out)], tmp_path / "log", 240, cwd=tmp_path,
                      env={CACHE_ENV: str(tmp_path / "cache"), DRAWS_ENV: "",  # the script sets 2
-                          # NOTE: freed tensors go back to the system, so that the high-water's growth is the calibration's
-                          "MALLOC_MMAP_THRESHOLD_": "65536"})
+                          # NOTE: freed tensors go back to the system, so that the high-water's growth is the
+                          # calibration's; malloc reads this at interpreter start, hence fresh ranks, not the pool's
+                          "MALLOC_MMAP_THRESHOLD_": "65536"}, isolated=True)
     assert done.returncode == 0, done.log[-9000:]
     ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
     first, second, third, fourth = (ranks[0][k] for k in ("first", "second", "third", "fourth"))
