@@ -180,7 +180,7 @@ def test_calibration_on_two_ranks_is_positive_identical_and_cached_unless_busy(t
     assert done.returncode == 0, done.log[-9000:]
     ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
     first, second, third, fourth = (ranks[0][k] for k in ("first", "second", "third", "fourth"))
-    own = {"fifth_grown", "probe_grown"}  # each rank's own high-water
+    own = {"fifth_grown", "probe_grown", "held_bytes"}  # each rank's own high-water and model
     assert {k: v for k, v in ranks[1].items() if k not in own} == {k: v for k, v in ranks[0].items() if k not in own}, \
         "ranks calibrated different terms"
     shares = [call["extra"]["calibrate_cpu_share"] for call in (first, second)]
@@ -224,6 +224,9 @@ def test_calibration_on_two_ranks_is_positive_identical_and_cached_unless_busy(t
         assert rank["fifth_grown"] <= rank["least_room"], (rank["fifth_grown"], rank["least_room"])
         assert rank["probe_grown"] <= link_probe_bytes(LINK_PAYLOAD_BYTES, 2), rank["probe_grown"]
     assert "in 12 groups, each freed before the next" in done.log
+    # the room is the budget less the larger of the ranks' models, on both ranks
+    assert ranks[1]["held_bytes"] > ranks[0]["held_bytes"]
+    assert ranks[0]["room"] == ranks[1]["room"] == 2**26 - ranks[1]["held_bytes"]
     # within the narrowest layout's: stacks of 4, 16 and 32, valid terms, used but never cached
     narrowest = ranks[0]["narrowest"]
     assert StepTerms.from_dict(narrowest).is_valid() and narrowest["extra"]["calibrate_widest"] == 32

@@ -1,14 +1,15 @@
 """Step-term calibration on 2 real gloo ranks, the cache keeping 2 calibrations: measured and cached,
 measured again and taken with the cached one, read back, then measured with the busy threshold above
 any share of a core (so that it is not cached); then within the room of one pair of benches at a
-time (its resident high-water's growth recorded, and the link probe's), within the room of stacks of 4, 16 and 32 (not cached), and
-within 1 KiB (refused).
+time (its resident high-water's growth recorded, and the link probe's), within the room of stacks of
+4, 16 and 32 (not cached), and within 1 KiB (refused); last, the room a budget leaves beside a model each rank holds at its own size.
 
 Run as a script (it spawns its own 2 ranks unless a launcher started them):
     python calibrate_check.py --out result.json
 The cache directory comes from ``OSDP_LIGHTNING_CACHE_DIR`` (the test points it at a temporary
 directory). Every rank writes its terms of the five calls to ``<out>.rank<r>.json``, the cache
-files there after the first and the fourth, the fifth's room and high-water growth, and the sixth's error.
+files there after the first and the fourth, the fifth's room and high-water growth, the sixth's error, and
+the room beside its own model with that model's bytes.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ def run(rank: int, port: int, out: str) -> None:
         from osdp_lightning import calibrate
         from osdp_lightning.calibrate.bench import bench_specs
         from osdp_lightning.calibrate.room import candidate_layouts
+        from osdp_lightning.integration.config import OSDPConfig
+        from osdp_lightning.integration.setup_core import OSDPSetup, Ranks
         from osdp_lightning.runtime.meshes import build_meshes
-        from osdp_lightning.runtime.process_memory import process_status_bytes
+        from osdp_lightning.runtime.process_memory import module_tensor_bytes, process_status_bytes
 
         device = torch.device("cpu")
         optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
@@ -83,10 +86,15 @@ def run(rank: int, port: int, out: str) -> None:
             refused = ""
         except calibrate.CalibrationRoomError as err:
             refused = str(err)
+        # ranks holding models of different sizes lay calibration out for the least room of any
+        held = torch.nn.Linear(64 * (rank + 1), 64)  # rank 1's is about twice rank 0's
+        setup = OSDPSetup(OSDPConfig(memory_budget=2**26), Ranks(device, WORLD, WORLD, 1, rank))
+        room = setup.calibration_room_bytes(held)
+        held_bytes = module_tensor_bytes(held)
         result = {"first": first, "second": second, "third": third, "fourth": fourth, "fifth": fifth,
                   "cached_after_first": after_first, "cached_after_fourth": after_fourth, "least_room": least,
                   "fifth_grown": grown, "probe_grown": probe_grown, "sixth_refused": refused, "narrowest": narrowest,
-                  "cached_after_narrowest": cached()}
+                  "cached_after_narrowest": cached(), "room": room, "held_bytes": held_bytes}
         Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
