@@ -2,7 +2,8 @@
 measured again and taken with the cached one, read back, then measured with the busy threshold above
 any share of a core (so that it is not cached); then within the room of one pair of benches at a
 time (its resident high-water's growth recorded, and the link probe's), within the room of stacks of
-4, 16 and 32 (not cached), and within 1 KiB (refused); last, the room a budget leaves beside a model each rank holds at its own size.
+4, 16 and 32 (not cached), and within 1 KiB (refused); last, the room a budget leaves beside a model
+each rank holds at its own size.
 
 Run as a script (it spawns its own 2 ranks unless a launcher started them):
     python calibrate_check.py --out result.json
