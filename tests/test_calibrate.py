@@ -170,7 +170,7 @@ def test_calibration_on_two_ranks_is_positive_identical_and_cached_unless_busy(t
     again and taken with the cached one (their median); read back (the median of the two); with the
     busy threshold above any share of a core, measured and not cached; within the least room a
     calibration can take, measured one pair of benches at a time and held within it; within a byte
-    less, refused."""
+    less, refused. Ranks holding models of different sizes get one room, beside the larger."""
     out = tmp_path / "calib"
     done = run_ranks([script("calibrate_check.py"), "--out", str(out)], tmp_path / "log", 240, cwd=tmp_path,
                      env={CACHE_ENV: str(tmp_path / "cache"), DRAWS_ENV: "",  # the script sets 2
