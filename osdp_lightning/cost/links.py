@@ -57,6 +57,8 @@ def least_time_s(fn: Callable[[], Any], device: torch.device, repeats: int) -> f
 
 LINK_PAYLOAD_BYTES = 8 * 2**20
 """Bytes of the all-gather :func:`measure_collectives` times (gathered)."""
+NODE_PAYLOAD_BYTES = 4 * 2**20
+"""Bytes of the all-gathers :func:`measure_node_collectives` times (gathered)."""
 OVERLAP_MATRIX = 512
 """Side of the fp32 matrix whose products the overlap probe runs beside the all-gather."""
 
@@ -144,7 +146,7 @@ def _time_group(group: dist.ProcessGroup, device: torch.device, payload_bytes: i
     return latency, moved / max(gather_s - latency, 1e-9)
 
 
-def measure_node_collectives(device: torch.device, ranks_per_node: int, payload_bytes: int = 4 * 2**20,
+def measure_node_collectives(device: torch.device, ranks_per_node: int, payload_bytes: int = NODE_PAYLOAD_BYTES,
                              repeats: int = 3) -> NodeTimings:
     """Time collectives inside each node and across nodes; every rank must call it.
 

@@ -42,6 +42,7 @@ from osdp_lightning.cost.budget import (
     plan_headroom,
 )
 from osdp_lightning.cost.cluster import ClusterSpec, NodeTimings, live_cluster_spec, measure_node_collectives
+from osdp_lightning.cost.links import NODE_PAYLOAD_BYTES
 from osdp_lightning.cost.step_terms import StepTerms, default_loop_step_s
 from osdp_lightning.integration.config import OSDPConfig
 from osdp_lightning.plan.pipeline import (
@@ -281,7 +282,8 @@ class OSDPSetup:
             payload = link_payload_bytes(room_bytes, ranks.world_size)  # before anything is allocated
             self.timings = measure_collectives(device, payload)
             if ranks.num_nodes > 1:  # intra- and inter-node links apart
-                self.node_timings = measure_node_collectives(device, ranks.ranks_per_node, min(payload, 4 * 2**20))
+                self.node_timings = measure_node_collectives(device, ranks.ranks_per_node,
+                                                             min(payload, NODE_PAYLOAD_BYTES))
             self.meshes = build_meshes(device.type, ranks.world_size)
             self.step_terms = calibrate_step_terms(
                 device, optimizer, self.meshes, ranks_per_node=ranks.ranks_per_node,
